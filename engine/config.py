@@ -1,0 +1,67 @@
+"""Engine configuration: nano-vllm's fields and defaults, validated on construction.
+
+A ``Config`` needs no checkpoint: the control plane is built and tested from one alone. When the
+engine loads a model it narrows ``max_model_len`` to the model's context and fills in ``eos`` and
+``num_kvcache_blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and the allowed values."""
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+_DEVICES = ("cpu", "cuda")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(slots=True)
+class Config:
+    model: str = ""
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    eos: int = -1
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    # None picks CUDA when present, else the CPU.
+    device: str | None = None
+    # None picks the checkpoint's dtype on CUDA and float32 on the CPU.
+    dtype: str | None = None
+    enable_prefix_caching: bool = True
+    # Seeds the sampler's random stream (and nothing else).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
+                 "must be at least 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be at least 1")
+        _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, "must be at least 1")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 self.gpu_memory_utilization, "must be in (0, 1]")
+        _require(1 <= self.tensor_parallel_size <= 8, "tensor_parallel_size", self.tensor_parallel_size,
+                 "must be between 1 and 8")
+        # Any power of two from 16: the 256-multiple rule of nano-vllm was a flash-attn paged-KV limit.
+        _require(self.kvcache_block_size >= 16 and is_power_of_two(self.kvcache_block_size),
+                 "kvcache_block_size", self.kvcache_block_size, "must be a power of two >= 16 (16, 32, ..., 256, ...)")
+        _require(self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1, "num_kvcache_blocks",
+                 self.num_kvcache_blocks, "must be -1 (size from memory) or at least 1")
+        _require(self.device is None or self.device.split(":")[0] in _DEVICES, "device", self.device,
+                 f"must be None (auto) or one of {', '.join(_DEVICES)} (optionally 'cuda:N')")
+        _require(self.dtype is None or self.dtype in _DTYPES, "dtype", self.dtype,
+                 f"must be None (auto) or one of {', '.join(_DTYPES)}")

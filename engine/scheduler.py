@@ -1,0 +1,200 @@
+"""Continuous batching: which requests the next step computes, and what happens to them after.
+
+Prefill first: waiting requests are admitted FCFS while ``max_num_seqs`` and the token budget
+allow, prefix-cache hits discounted from the work; the first admitted request of a step may be
+chunked when its prompt exceeds the budget, and joins ``running`` only after its last chunk. With
+nothing to prefill, every running request decodes one token; when the pool runs out, the youngest
+running request is preempted (its blocks freed, its K/V to be recomputed) and goes to the front of
+the waiting queue. Prefill and decode never share a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import Config
+from engine.events import EventBus, FirstToken, Preempt, RequestFinished, Schedule, Tokens
+from engine.sequence import Sequence, SequenceStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served under this configuration; the engine keeps serving."""
+
+
+class Scheduler:
+    def __init__(self, config: Config, events: EventBus | None = None) -> None:
+        assert config.num_kvcache_blocks > 0, "the KV pool must be sized before the scheduler is built"
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos = config.eos
+        self.events = events or EventBus()
+        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching, self.events)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def max_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most tokens a request can ever hold in the cache: the last sampled token is never fed
+        back, and generation stops at ``max_model_len``."""
+        return max(num_prompt_tokens, min(num_prompt_tokens + max_tokens - 1, self.max_model_len - 1))
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request that could never finish, rather than let it stall the queue forever."""
+        if num_prompt_tokens == 0:
+            raise RequestRejectedError("the prompt is empty: give at least one token")
+        if num_prompt_tokens > self.max_model_len:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt or raise max_model_len")
+        bm = self.block_manager
+        needed = bm.blocks_needed(self.max_kv_tokens(num_prompt_tokens, max_tokens))
+        if needed > bm.num_blocks:
+            raise RequestRejectedError(
+                f"the request needs up to {needed} KV blocks ({num_prompt_tokens} prompt tokens + up to "
+                f"{max_tokens} generated, block size {bm.block_size}) but the whole pool has "
+                f"{bm.num_blocks}: lower max_tokens, shorten the prompt or give the cache more blocks")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq.num_prompt_tokens, seq.max_tokens)
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The batch for the next step and whether it is a prefill; an empty batch means idle."""
+        now = time.perf_counter()
+        scheduled: list[Sequence] = []
+        chunked: list[bool] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        # Admitted requests join ``running`` at once; a partial one ends the loop, so this caps the batch.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            continuing = bool(seq.block_table)
+            if continuing:
+                num_tokens = seq.num_tokens - seq.num_cached_tokens
+            else:
+                num_cached_blocks = bm.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_tokens = seq.num_tokens - num_cached_blocks * bm.block_size
+            # Only the first request of a step may be cut short: later ones wait for a whole budget.
+            if budget < num_tokens and scheduled:
+                break
+            if not continuing:
+                bm.allocate(seq, num_cached_blocks)
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
+                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
+                seq.last_scheduled_time = now
+            seq.num_scheduled_tokens = min(num_tokens, budget)
+            seq.is_prefill = True
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            partial = seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens
+            chunked.append(partial or continuing)
+            if partial:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        if scheduled:
+            self._emit_schedule("prefill", scheduled, chunked)
+            return scheduled, True
+
+        while self.running:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop(), for_seq=seq)
+                else:
+                    self.preempt(seq, for_seq=seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                seq.is_prefill = False
+                bm.may_append(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        if scheduled:
+            self._emit_schedule("decode", scheduled, [False] * len(scheduled))
+        return scheduled, False
+
+    def _emit_schedule(self, phase: str, seqs: list[Sequence], chunked: list[bool]) -> None:
+        if self.events.active:
+            self.events.emit(Schedule, phase=phase, request_ids=tuple(s.seq_id for s in seqs),
+                             num_tokens=tuple(s.num_scheduled_tokens for s in seqs), chunked=tuple(chunked),
+                             waiting=len(self.waiting), running=len(self.running),
+                             free_blocks=self.block_manager.num_free_blocks)
+
+    def preempt(self, seq: Sequence, for_seq: Sequence) -> None:
+        """Evict ``seq`` for recompute: free its blocks and put it at the front of the queue."""
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        freed = self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        if self.events.active:
+            self.events.emit(Preempt, request_id=seq.seq_id, num_tokens=seq.num_tokens, freed_blocks=freed,
+                             for_request_id=for_seq.seq_id)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+        """Record a step's results: cache the blocks it filled, append sampled tokens (except for
+        mid-prompt chunks) and retire finished requests. Returns the requests that finished."""
+        now = time.perf_counter()
+        finished = []
+        produced_ids, produced_tokens = [], []
+        bm = self.block_manager
+        for seq, token_id in zip(seqs, token_ids):
+            bm.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
+                continue  # a chunk short of the prompt's end: its sample means nothing
+            seq.append_token(token_id)
+            produced_ids.append(seq.seq_id)
+            produced_tokens.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if self.events.active:
+                    self.events.emit(FirstToken, request_id=seq.seq_id)
+            if not seq.ignore_eos and token_id == self.eos:
+                reason = "stop"
+            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            else:
+                continue
+            self.running.remove(seq)
+            self._finish(seq, reason, now)
+            finished.append(seq)
+        if self.events.active and produced_ids:
+            self.events.emit(Tokens, request_ids=tuple(produced_ids), token_ids=tuple(produced_tokens))
+        return finished
+
+    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
+        """Stop a request wherever it is and free its blocks; None if it is not here (already done)."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._finish(seq, reason, time.perf_counter())
+                    return seq
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = now
+        seq.num_scheduled_tokens = 0
+        self.block_manager.deallocate(seq)
+        if self.events.active:
+            self.events.emit(RequestFinished, request_id=seq.seq_id, reason=reason,
+                             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prompt_cached_tokens,
+                             output_tokens=seq.num_completion_tokens, num_preemptions=seq.num_preemptions,
+                             arrival=seq.arrival_time, first_scheduled=seq.first_scheduled_time,
+                             last_scheduled=seq.last_scheduled_time, first_token=seq.first_token_time,
+                             finished=now)

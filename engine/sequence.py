@@ -1,0 +1,120 @@
+"""A request's state as it moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted)."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids plus the bookkeeping the scheduler, block manager and telemetry need.
+
+    ``num_cached_tokens`` counts tokens whose K/V are in the cache (prefix hits and computed chunks);
+    ``num_scheduled_tokens`` is how many this step computes. Times are ``time.perf_counter()`` seconds.
+    """
+
+    counter = count()
+
+    __slots__ = (
+        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
+        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "block_size",
+        "temperature", "max_tokens", "ignore_eos",
+        "arrival_time", "first_scheduled_time", "last_scheduled_time", "first_token_time",
+        "finished_time", "num_preemptions", "num_prompt_cached_tokens", "finish_reason",
+    )
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 arrival_time: float, seq_id: int | None = None) -> None:
+        self.seq_id = next(Sequence.counter) if seq_id is None else seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.is_prefill = True
+        self.block_table: list[int] = []
+        self.block_size = block_size
+        self.temperature = float(sampling_params.temperature)
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.last_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        # Prompt tokens served by the prefix cache at the first admission (vLLM's cached_tokens).
+        self.num_prompt_cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+                f"cached={self.num_cached_tokens}, blocks={self.block_table})")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    # Worker processes only need what the forward pass reads; a decode step ships the last token
+    # instead of the whole history, which keeps tensor-parallel calls small.
+    def __getstate__(self) -> tuple:
+        tokens = self.token_ids if self.is_prefill else self.last_token
+        return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+                self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
+                self.temperature, tokens)
+
+    def __setstate__(self, state: tuple) -> None:
+        (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+         self.num_scheduled_tokens, self.is_prefill, self.block_table, self.block_size,
+         self.temperature, tokens) = state
+        if self.is_prefill:
+            self.token_ids = tokens
+            self.last_token = tokens[-1]
+        else:
+            self.token_ids = []
+            self.last_token = tokens

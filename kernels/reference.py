@@ -1,0 +1,96 @@
+"""Pure-torch paged attention and KV store: the CPU backend and the oracle for the Triton kernels.
+
+Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
+``block_id * block_size + offset``. Query tokens of a sequence are the *last* ``q_len`` of its
+``k_len`` tokens, so the causal mask is aligned to the end (this covers plain prefill, prefill
+behind prefix-cached blocks and a chunk continuing a partial prompt with one code path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` rows ``[N, kv_heads, head_dim]`` at their slots; slot -1 is skipped."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat[slots] = key[valid].to(k_cache.dtype)
+    v_flat[slots] = value[valid].to(v_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence as ``[length, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``q [q_len, H, D]`` over ``k, v [k_len, KVH, D]``, mask aligned to the end."""
+    q_len, num_heads, _ = q.shape
+    k_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # [H, q_len, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, k_len, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, q_len, k_len]
+    q_pos = torch.arange(k_len - q_len, k_len, device=q.device)[:, None]
+    k_pos = torch.arange(k_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, q_len, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Ragged prefill: ``q [total_q, H, D]``; sequence i owns ``q[cu_q[i]:cu_q[i+1]]`` and attends to
+    its first ``cu_k[i+1]-cu_k[i]`` cached tokens through ``block_tables[i]``. K/V must already be stored."""
+    out = torch.empty_like(q)
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q_start, q_end = cu_q[i], cu_q[i + 1]
+        k_len = cu_k[i + 1] - cu_k[i]
+        if q_end == q_start:
+            continue
+        k = _gather_kv(k_cache, block_tables[i], k_len)
+        v = _gather_kv(v_cache, block_tables[i], k_len)
+        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale)
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: ``q [B, H, D]`` over its ``context_lens[i]`` cached tokens.
+    Rows with context length 0 (CUDA-graph padding) produce zeros."""
+    out = torch.zeros_like(q)
+    for i, length in enumerate(context_lens.tolist()):
+        if length == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[i], length)
+        v = _gather_kv(v_cache, block_tables[i], length)
+        out[i] = _attend(q[i : i + 1], k, v, scale)[0]
+    return out

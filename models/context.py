@@ -1,0 +1,44 @@
+"""Per-step attention metadata that the attention layers read.
+
+The model runner sets it before a forward pass and resets it after, so metadata need not be
+threaded through every ``nn.Module.forward`` signature (vLLM's ForwardContext, in miniature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Context:
+    is_prefill: bool = False
+    # Prefill: ragged batch of query chunks; K lengths include prefix-cached/previous-chunk tokens.
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    # Where each new token's K/V goes in the paged cache (-1: skip, used for padding rows).
+    slot_mapping: torch.Tensor | None = None
+    # Decode: number of cached tokens per sequence, including the one being decoded.
+    context_lens: torch.Tensor | None = None
+    # [num_seqs, max_blocks_per_seq] physical block ids, padded with -1.
+    block_tables: torch.Tensor | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(context: Context) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()
