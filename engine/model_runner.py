@@ -1,0 +1,223 @@
+"""Runs the model for one scheduled batch: inputs, KV cache, attention backend, sampling.
+
+One runner per tensor-parallel rank; rank 0 samples. The runner owns the KV pool: one tensor
+``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` whose per-layer views are handed to the
+attention layers. Per step it turns the scheduler's sequences into a flat token batch plus the
+attention metadata (``models.context``) and returns the sampled token ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import Config
+from engine.sequence import Sequence
+from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
+from models.config import Qwen3Config, dtype_name, parse_dtype
+from models.context import Context, reset_context, set_context
+from models.loader import build_model, load_model
+from models.sampler import Sampler
+
+# The CPU has no memory to profile; a fixed budget keeps the pool predictable and small.
+CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
+def resolve_device(requested: str | None) -> torch.device:
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={requested!r} was requested but CUDA is not available: pass device='cpu'")
+    return device
+
+
+def resolve_dtype(requested: str | None, device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    if requested is not None:
+        return parse_dtype(requested)
+    # Half precision on the CPU is slow and inexact; the checkpoint's dtype is what a GPU wants.
+    return checkpoint_dtype if device.type == "cuda" else torch.float32
+
+
+def select_attention_backend(device: torch.device) -> AttentionBackend:
+    """flash-attn when it imports on CUDA, else the project's Triton kernels; torch on the CPU."""
+    if device.type != "cuda":
+        return TORCH_BACKEND
+    if importlib.util.find_spec("flash_attn") is not None:
+        from models.attention import flash_attn_backend
+
+        return flash_attn_backend()
+    from models.attention import triton_backend
+
+    return triton_backend()
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Host seconds spent in each part of ``ModelRunner.run``."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, config: Config, model_config: Qwen3Config, rank: int = 0) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.rank = rank
+        self.block_size = config.kvcache_block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.model = build_model(model_config, dtype=self.dtype, device=self.device)
+        load_model(self.model, config.model)
+        self.model.eval()
+        self.backend = select_attention_backend(self.device)
+        set_attention_backend(self.model, self.backend)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self.timing = StepTiming()
+        self.allocate_kv_cache()
+
+    # --- KV cache -----------------------------------------------------------------------------
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model_config.num_key_value_heads // self.config.tensor_parallel_size
+
+    @property
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_hidden_layers * self.block_size * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def _blocks_that_fit(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES // self.block_bytes
+        # Profile a maximum-size prefill without a cache to learn peak activation memory, then give
+        # the KV pool what is left of ``gpu_memory_utilization`` of the device.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.warmup_model()
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        used = total - free
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        available = int(total * self.config.gpu_memory_utilization) - used - peak + current
+        return available // self.block_bytes
+
+    @torch.inference_mode()
+    def warmup_model(self) -> None:
+        max_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
+        cu = torch.arange(0, (num_seqs + 1) * max_len, max_len, dtype=torch.int32, device=self.device)
+        set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                            max_seqlen_k=max_len))
+        input_ids = torch.zeros(num_seqs * max_len, dtype=torch.int64, device=self.device)
+        positions = torch.arange(max_len, device=self.device).repeat(num_seqs)
+        self.model.compute_logits(self.model(input_ids, positions))
+        reset_context()
+        torch.cuda.synchronize(self.device)
+
+    def allocate_kv_cache(self) -> None:
+        config = self.config
+        if config.num_kvcache_blocks == -1:
+            num_blocks = self._blocks_that_fit()
+            if num_blocks < 1:
+                raise RuntimeError(
+                    f"no memory is left for the KV cache ({self.block_bytes / 2**20:.1f} MiB per block of "
+                    f"{self.block_size} tokens): raise gpu_memory_utilization (now "
+                    f"{config.gpu_memory_utilization}), lower max_num_batched_tokens (now "
+                    f"{config.max_num_batched_tokens}) or max_model_len, or use a smaller block size")
+            config.num_kvcache_blocks = num_blocks
+        mc = self.model_config
+        self.kv_cache = torch.empty(2, mc.num_hidden_layers, config.num_kvcache_blocks, self.block_size,
+                                    self.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(attention_layers(self.model)):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        # Pinned host memory lets the copy to the GPU overlap with host work.
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        return self._tensor([b for row in rows for b in row], torch.int32).view(len(seqs), width)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence computes tokens ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``
+        and attends to everything before them through its block table."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        bs = self.block_size
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            max_seqlen_q = max(max_seqlen_q, end - start)
+            max_seqlen_k = max(max_seqlen_k, end)
+            for i in range(start // bs, (end + bs - 1) // bs):
+                first = max(start, i * bs)
+                last = min(end, (i + 1) * bs)
+                base = seq.block_table[i] * bs - i * bs
+                slot_mapping += range(base + first, base + last)
+        set_context(Context(
+            is_prefill=True,
+            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            block_tables=self._block_tables(seqs),
+        ))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        slot_mapping = [seq.block_table[-1] * bs + seq.last_block_num_tokens - 1 for seq in seqs]
+        set_context(Context(
+            is_prefill=False,
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._block_tables(seqs),
+        ))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute the scheduled tokens of ``seqs`` and return one sampled token id per sequence."""
+        t0 = time.perf_counter()
+        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32) if self.rank == 0 else None
+        t1 = time.perf_counter()
+        try:
+            logits = self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
+        t2 = time.perf_counter()
+        token_ids = self.sampler(logits, temperatures, self.generator).tolist() if self.rank == 0 else []
+        t3 = time.perf_counter()
+        self.timing = StepTiming(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+        return token_ids
+
+    def describe(self) -> dict[str, str]:
+        return {"device": str(self.device), "dtype": dtype_name(self.dtype), "attention_backend": self.backend.name}
