@@ -163,16 +163,19 @@ class Scheduler:
                 if self.events.active:
                     self.events.emit(FirstToken, request_id=seq.seq_id)
             if not seq.ignore_eos and token_id == self.eos:
-                reason = "stop"
+                seq.finish_reason = "stop"
             elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
+                seq.finish_reason = "length"
             else:
                 continue
-            self.running.remove(seq)
-            self._finish(seq, reason, now)
             finished.append(seq)
+        # Tokens first, then the requests they finished: a consumer sees every token of a request
+        # before it hears the request is over.
         if self.events.active and produced_ids:
             self.events.emit(Tokens, request_ids=tuple(produced_ids), token_ids=tuple(produced_tokens))
+        for seq in finished:
+            self.running.remove(seq)
+            self._finish(seq, seq.finish_reason, now)
         return finished
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:

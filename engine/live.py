@@ -1,0 +1,273 @@
+"""Drive an engine from a background thread: requests arrive over time, the loop keeps running.
+
+The engine is not thread-safe, so only the loop thread touches it; other threads talk to the loop
+through a command queue (submit, pause, resume, single step, rate, inject) and read results from
+``RequestHandle`` objects. Arrivals follow a *workload clock* that advances only while the loop is
+running, at ``rate_scale`` times real time: pausing freezes arrivals too, and doubling the rate
+halves every future gap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from engine.events import Event, RequestFinished, Tokens
+from engine.llm_engine import LLMEngine, Prompt
+from engine.sampling_params import SamplingParams
+from engine.workloads import Request
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.02  # how long the loop sleeps when idle before looking again
+
+
+class RequestHandle:
+    """A submitted request: iterate it for tokens as they come, or ``result()`` to wait for all."""
+
+    def __init__(self) -> None:
+        self.request_id: int | None = None
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self._stream: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.token_ids
+
+    def __iter__(self) -> Iterator[int]:
+        while (token := self._stream.get()) is not None:
+            yield token
+        if self.error is not None:
+            raise self.error
+
+    def _token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self._stream.put(token_id)
+
+    def _finish(self, reason: str | None, error: BaseException | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+        self._stream.put(None)
+        self._done.set()
+
+
+class LiveEngine:
+    """``with LiveEngine(llm, workload) as live: ...`` runs ``llm`` until the block exits."""
+
+    def __init__(self, llm: LLMEngine, workload: Iterable[Request] | None = None, rate_scale: float = 1.0,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.llm = llm
+        self.on_error = on_error
+        self.error: BaseException | None = None
+        self.rate_scale = rate_scale
+        self.paused = False
+        self.workload_time = 0.0
+        self.num_submitted = 0
+        self._workload: Iterator[Request] = iter(workload or ())
+        self._next_request: Request | None = None
+        self._pending: list[tuple[float, int, Request]] = []  # follow-up turns and injected bursts
+        self._order = itertools.count()
+        self._handles: dict[int, RequestHandle] = {}
+        self._followups: dict[int, Request] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._single_steps = 0
+        self._thread = threading.Thread(target=self._run, name="glassbox-engine", daemon=True)
+        self._unsubscribe = llm.events.subscribe(self._on_event)
+
+    # --- control, from any thread -------------------------------------------------------------
+
+    def start(self) -> LiveEngine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop, abort what is still in flight (freeing its blocks) and detach."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._unsubscribe()
+
+    def __enter__(self) -> LiveEngine:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _command(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+        self._wake.set()
+
+    def pause(self) -> None:
+        self._command(lambda: setattr(self, "paused", True))
+
+    def resume(self) -> None:
+        self._command(lambda: setattr(self, "paused", False))
+
+    def step_once(self) -> None:
+        """While paused, run exactly one engine step (bringing the next arrival forward when idle)."""
+        def one() -> None:
+            self._single_steps += 1
+        self._command(one)
+
+    def set_rate_scale(self, scale: float) -> None:
+        if scale <= 0:
+            raise ValueError(f"rate scale must be > 0, got {scale}")
+        self._command(lambda: setattr(self, "rate_scale", scale))
+
+    def inject(self, requests: Iterable[Request]) -> None:
+        """Add extra requests (a burst); their arrival times count from now."""
+        requests = list(requests)
+
+        def add() -> None:
+            for r in requests:
+                heapq.heappush(self._pending, (self.workload_time + r.arrival_time, next(self._order), r))
+        self._command(add)
+
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+        """Queue an ad-hoc request; a rejected one finishes its handle with the error."""
+        handle = RequestHandle()
+
+        def add() -> None:
+            try:
+                handle.request_id = self.llm.add_request(prompt, sampling_params)
+            except ValueError as exc:
+                handle._finish("rejected", exc)
+                return
+            self._handles[handle.request_id] = handle
+        self._command(add)
+        return handle
+
+    # --- the loop thread ----------------------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        if type(event) is Tokens:
+            for request_id, token_id in zip(event.request_ids, event.token_ids):
+                handle = self._handles.get(request_id)
+                if handle is not None:
+                    handle._token(token_id)
+        elif type(event) is RequestFinished and event.reason != "error":
+            # A request failed by an engine error keeps its handle until the loop reports the error.
+            handle = self._handles.pop(event.request_id, None)
+            if handle is not None:
+                handle._finish(event.reason)
+
+    def _peek_arrival(self) -> tuple[float, Request] | None:
+        if self._next_request is None:
+            self._next_request = next(self._workload, None)
+        candidates = []
+        if self._next_request is not None:
+            candidates.append((self._next_request.arrival_time, self._next_request))
+        if self._pending:
+            candidates.append((self._pending[0][0], self._pending[0][2]))
+        return min(candidates, key=lambda c: c[0]) if candidates else None
+
+    def _admit(self, request: Request) -> None:
+        if request is self._next_request:
+            self._next_request = None
+        else:
+            heapq.heappop(self._pending)
+        try:
+            request_id = self.llm.add_request(request.prompt_token_ids, request.sampling_params)
+        except ValueError:
+            return  # request_rejected was emitted; a bad workload request never stops the loop
+        self.num_submitted += 1
+        if request.next_turn is not None:
+            self._followups[request_id] = request
+
+    def _feed_arrivals(self, bring_forward: bool) -> None:
+        while (arrival := self._peek_arrival()) is not None:
+            at, request = arrival
+            if at > self.workload_time:
+                if not bring_forward:
+                    return
+                self.workload_time = at
+            self._admit(request)
+            bring_forward = False
+
+    def _follow_up(self, outputs: list[tuple[int, list[int]]]) -> None:
+        for request_id, token_ids in outputs:
+            request = self._followups.pop(request_id, None)
+            if request is not None and request.next_turn is not None:
+                turn = request.next_turn(token_ids)
+                if turn is not None:
+                    heapq.heappush(self._pending, (self.workload_time + turn.arrival_time, next(self._order), turn))
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                while not self._commands.empty():
+                    self._commands.get()()
+                now = time.perf_counter()
+                single = self.paused and self._single_steps > 0
+                if not self.paused:
+                    self.workload_time += (now - last) * self.rate_scale
+                last = now
+                if self.paused and not single:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._feed_arrivals(bring_forward=single and self.llm.is_finished())
+                if self.llm.is_finished():
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                if single:
+                    self._single_steps -= 1
+                outputs, _ = self.llm.step()
+                self._follow_up(outputs)
+        except BaseException as exc:  # reported, never swallowed: the loop stops and says why
+            self.error = exc
+            logger.exception("the engine loop stopped on an error")
+            if self.on_error is not None:
+                self.on_error(exc)
+        finally:
+            self._release(self.error)
+
+    def _release(self, error: BaseException | None) -> None:
+        for seq in [*self.llm.scheduler.waiting, *self.llm.scheduler.running]:
+            self.llm.abort_request(seq.seq_id)
+        for handle in list(self._handles.values()):
+            handle._finish("abort" if error is None else "error", error)
+        self._handles.clear()
+
+
+def run_virtual(llm: LLMEngine, workload: Iterable[Request], max_steps: int, seconds_per_step: float = 0.05) -> int:
+    """Run ``workload`` synchronously on a virtual clock that advances ``seconds_per_step`` per step.
+
+    Deterministic (no threads, no wall-clock), for tests and labs. Stops after ``max_steps`` or when
+    the workload is exhausted and every request finished; returns the number of steps taken.
+    """
+    live = LiveEngine(llm, workload)
+    try:
+        for step in range(max_steps):
+            if llm.is_finished() and live._peek_arrival() is None:
+                return step  # nothing running and nothing left to arrive
+            live._feed_arrivals(bring_forward=llm.is_finished())
+            outputs, _ = llm.step()
+            live._follow_up(outputs)
+            live.workload_time += seconds_per_step
+        return max_steps
+    finally:
+        live._unsubscribe()

@@ -1,0 +1,75 @@
+"""The engine options every entry point shares (`python -m telemetry`, `python -m tui`, each lab).
+
+Defined once here: ``add_engine_args`` adds them to a parser, ``build_llm`` turns parsed arguments
+into an ``LLM``. Entry points pass their own defaults (the dashboard wants a small pool so that
+every mechanism shows quickly; the bench wants the real thing).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """Add the shared engine options; ``defaults`` overrides any option's default by its dest name."""
+    g = parser.add_argument_group("engine")
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="DIR", help="a Hugging Face-layout Qwen3 checkpoint directory")
+    source.add_argument("--preset", choices=PRESETS, default="tiny",
+                        help="a random-weight checkpoint, made on first use under $GLASSBOX_CACHE "
+                             "(default ~/.cache/glassbox/checkpoints/NAME) (default: %(default)s)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: CUDA when present, else CPU")
+    g.add_argument("--seed", type=int, default=0, help="seeds the checkpoint, the workload and sampling (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=256, help="KV block size in tokens, a power of two >= 16 (default: %(default)s)")
+    g.add_argument("--num-blocks", type=int, default=-1, help="KV pool size in blocks; -1 sizes it from memory (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=512, help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=16384, help="token budget of one step (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default: %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    parser.set_defaults(**defaults)
+
+
+def add_workload_args(parser: argparse.ArgumentParser, workload: str = "mixed", rate: float | None = None,
+                      duration: float | None = None) -> None:
+    from engine.workloads import WORKLOADS
+
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=list(WORKLOADS), default=workload, help="default: %(default)s")
+    g.add_argument("--rate", type=float, default=rate, help="arrivals per second (default: the workload's own)")
+    g.add_argument("--duration", type=float, default=duration, metavar="SECONDS",
+                   help="stop after this long" + (" (default: %(default)s)" if duration else " (default: run until interrupted)"))
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    """The checkpoint to serve: ``--model`` as given, or the preset's, made if missing."""
+    if args.model:
+        return Path(args.model)
+    from models.checkpoint import ensure_checkpoint
+
+    return ensure_checkpoint(args.preset, seed=args.seed)
+
+
+def build_llm(args: argparse.Namespace):
+    from engine.llm_engine import LLM
+
+    return LLM(str(model_dir(args)), device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
+               num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching)
+
+
+def build_workload(args: argparse.Namespace, vocab_size: int):
+    from engine.workloads import make_workload
+
+    params = {} if args.rate is None else {"rate": args.rate}
+    return make_workload(args.workload, vocab_size, seed=args.seed, **params)
+
+
+# What the dashboard and `python -m telemetry` run with unless told otherwise: a pool small enough
+# that prefix hits, chunked prefill, preemption and eviction all show within half a minute.
+LIVE_DEFAULTS = dict(block_size=16, num_blocks=160, max_num_seqs=32, max_num_batched_tokens=256,
+                     max_model_len=2048)

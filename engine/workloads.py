@@ -1,0 +1,163 @@
+"""Seeded synthetic workloads: requests that arrive over time.
+
+Each workload is an iterator of ``Request`` (arrival offset in seconds from the start, prompt token
+ids, sampling parameters); open-ended ones are infinite and the consumer stops when it likes. The
+same name, parameters and seed always give the same requests.
+
+| name | what it exercises | parameters |
+|---|---|---|
+| ``bench`` | nano-vllm's bench.py exactly: 256 requests at t=0, prompts U[100,1024] of ids U[0,10000], outputs U[100,1024], temperature 0.6, ignore_eos | ``num_requests`` |
+| ``poisson`` | steady load: exponential gaps at ``rate`` req/s | ``rate``, ``prompt_len``, ``output_len`` |
+| ``bursty`` | gamma-distributed gaps (vLLM's ``--burstiness``: 1 is Poisson, lower is burstier) | ``rate``, ``burstiness``, ``prompt_len``, ``output_len`` |
+| ``shared-prefix`` | ``num_prefixes`` system prompts shared by many requests: prefix-cache food | ``rate``, ``num_prefixes``, ``prefix_len``, ``suffix_len``, ``output_len`` |
+| ``multi-turn`` | conversations whose next turn is the previous prompt + the model's answer + a new message | ``rate``, ``turns``, ``message_len``, ``output_len``, ``think_time`` |
+| ``mixed`` | the dashboard's default blend: shared prefixes, a long prompt now and then (chunked prefill), long ``ignore_eos`` answers that fill a small pool (preemption, eviction), wildly different output lengths | ``rate`` |
+
+Lengths are ``(low, high)`` inclusive ranges drawn uniformly. Token ids are drawn below the model's
+vocabulary (``vocab_size``); ``bench`` draws its ids exactly as nano-vllm does and folds them into a
+smaller vocabulary only when the model's is smaller than 10,001 (the tiny preset).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    arrival_time: float  # seconds after the workload starts
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    tag: str = ""  # which part of a workload this request belongs to (for tables and the TUI)
+    # Multi-turn: given this request's output tokens, the follow-up turn (arrival relative to the
+    # moment this one finished).
+    next_turn: Callable[[list[int]], Request | None] | None = None
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def _gaps(rng: random.Random, rate: float, burstiness: float = 1.0) -> Iterator[float]:
+    """Inter-arrival gaps with mean 1/rate: gamma(shape=burstiness, scale=1/(rate*burstiness))."""
+    if rate <= 0:
+        raise ValueError(f"rate={rate} is invalid: must be > 0 requests per second")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness={burstiness} is invalid: must be > 0 (1 is Poisson)")
+    while True:
+        yield rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def bench(vocab_size: int = 151_936, seed: int = 0, num_requests: int = 256) -> Iterator[Request]:
+    rng = random.Random(seed)
+    # Drawn in nano-vllm's order: all prompts first, then all output lengths, from one stream.
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
+              for _ in range(num_requests)]
+    for prompt, sp in zip(prompts, params):
+        if vocab_size <= 10000:
+            prompt = [t % vocab_size for t in prompt]
+        yield Request(0.0, prompt, sp, tag="bench")
+
+
+def poisson(vocab_size: int, seed: int = 0, rate: float = 4.0, prompt_len: Range = (32, 512),
+            output_len: Range = (16, 256), temperature: float = 0.8) -> Iterator[Request]:
+    return bursty(vocab_size, seed, rate, 1.0, prompt_len, output_len, temperature, tag="poisson")
+
+
+def bursty(vocab_size: int, seed: int = 0, rate: float = 4.0, burstiness: float = 0.25,
+           prompt_len: Range = (32, 512), output_len: Range = (16, 256), temperature: float = 0.8,
+           tag: str = "bursty") -> Iterator[Request]:
+    rng = random.Random(seed)
+    t = 0.0
+    for gap in _gaps(rng, rate, burstiness):
+        t += gap
+        yield Request(t, _tokens(rng, rng.randint(*prompt_len), vocab_size),
+                      SamplingParams(temperature=temperature, max_tokens=rng.randint(*output_len)), tag=tag)
+
+
+def shared_prefix(vocab_size: int, seed: int = 0, rate: float = 4.0, num_prefixes: int = 4,
+                  prefix_len: Range = (128, 384), suffix_len: Range = (8, 64), output_len: Range = (8, 128),
+                  temperature: float = 0.8) -> Iterator[Request]:
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, rng.randint(*prefix_len), vocab_size) for _ in range(num_prefixes)]
+    t = 0.0
+    for gap in _gaps(rng, rate):
+        t += gap
+        i = rng.randrange(num_prefixes)
+        prompt = prefixes[i] + _tokens(rng, rng.randint(*suffix_len), vocab_size)
+        yield Request(t, prompt, SamplingParams(temperature=temperature, max_tokens=rng.randint(*output_len)),
+                      tag=f"prefix-{i}")
+
+
+def multi_turn(vocab_size: int, seed: int = 0, rate: float = 1.0, turns: int = 4, message_len: Range = (16, 96),
+               output_len: Range = (16, 96), think_time: float = 0.5, temperature: float = 0.8) -> Iterator[Request]:
+    rng = random.Random(seed)
+
+    def turn(conversation: int, k: int, history: list[int], arrival: float) -> Request:
+        prompt = history + _tokens(rng, rng.randint(*message_len), vocab_size)
+
+        def follow_up(answer: list[int]) -> Request | None:
+            if k + 1 >= turns:
+                return None
+            return turn(conversation, k + 1, prompt + answer, rng.expovariate(1.0 / think_time))
+
+        return Request(arrival, prompt, SamplingParams(temperature=temperature, max_tokens=rng.randint(*output_len)),
+                       tag=f"conversation-{conversation}", next_turn=follow_up)
+
+    t = 0.0
+    for conversation, gap in enumerate(_gaps(rng, rate)):
+        t += gap
+        yield turn(conversation, 0, [], t)
+
+
+def mixed(vocab_size: int, seed: int = 0, rate: float = 6.0) -> Iterator[Request]:
+    """Every mechanism within seconds on a small pool (the dashboard's defaults: 16-token blocks,
+    a few hundred of them, a budget of a few hundred tokens)."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, rng.randint(96, 200), vocab_size) for _ in range(3)]
+    t = 0.0
+    for gap in _gaps(rng, rate, burstiness=0.5):
+        t += gap
+        roll = rng.random()
+        if roll < 0.45:  # a chat with a shared system prompt: prefix hits
+            i = rng.randrange(len(prefixes))
+            prompt = prefixes[i] + _tokens(rng, rng.randint(4, 48), vocab_size)
+            sp = SamplingParams(temperature=0.8, max_tokens=rng.choice([4, 16, 48, 160]))
+            tag = f"prefix-{i}"
+        elif roll < 0.55:  # a document to summarise: longer than the budget, so chunked
+            prompt = _tokens(rng, rng.randint(600, 1100), vocab_size)
+            sp = SamplingParams(temperature=0.8, max_tokens=rng.randint(8, 64))
+            tag = "long-prompt"
+        elif roll < 0.75:  # a long generation that never stops early: fills the pool, preempts
+            prompt = _tokens(rng, rng.randint(16, 96), vocab_size)
+            sp = SamplingParams(temperature=0.8, max_tokens=rng.randint(300, 700), ignore_eos=True)
+            tag = "long-output"
+        else:  # short questions with very different answer lengths
+            prompt = _tokens(rng, rng.randint(8, 128), vocab_size)
+            sp = SamplingParams(temperature=0.8, max_tokens=rng.choice([1, 8, 32, 96, 256]))
+            tag = "short"
+        yield Request(t, prompt, sp, tag=tag)
+
+
+WORKLOADS: dict[str, Callable[..., Iterator[Request]]] = {
+    "bench": bench,
+    "poisson": poisson,
+    "bursty": bursty,
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "mixed": mixed,
+}
+
+
+def make_workload(name: str, vocab_size: int, seed: int = 0, **params) -> Iterator[Request]:
+    """The workload ``name`` for a model with ``vocab_size`` tokens; unknown names are a clear error."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](vocab_size, seed=seed, **params)
