@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_config = model_config
         self.events = EventBus()
         self.tokenizer = _load_tokenizer(model)
-        self.model_runner = ModelRunner(config, model_config)
+        self.model_runner = ModelRunner(config, model_config, events=self.events)
         self.scheduler = Scheduler(config, self.events)
         self._seqs: dict[int, Sequence] = {}
         self.events.announce(
@@ -50,6 +50,8 @@ class LLMEngine:
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
             wall_time=time.time())
+        if self.model_runner.uses_cudagraphs:
+            self.model_runner.capture_cudagraph()
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class LLMEngine:
                 num_prefill_tokens=num_tokens if is_prefill else 0,
                 num_decode_tokens=0 if is_prefill else len(seqs), duration_s=t3 - t0,
                 schedule_s=t1 - t0, prepare_s=timing.prepare_s, forward_s=timing.forward_s,
-                sample_s=timing.sample_s, postprocess_s=t3 - t2, padded_batch_size=None)
+                sample_s=timing.sample_s, postprocess_s=t3 - t2, padded_batch_size=timing.padded_batch_size)
         return outputs, num_tokens
 
     def generate(self, prompts: SequenceOf[Prompt], sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,

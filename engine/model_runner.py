@@ -8,17 +8,18 @@ attention metadata (``models.context``) and returns the sampled token ids.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from engine.config import Config
+from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
 from engine.sequence import Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
-from models.context import Context, reset_context, set_context
+from models.context import Context, get_context, reset_context, set_context
 from models.loader import build_model, load_model
 from models.sampler import Sampler
 
@@ -42,31 +43,39 @@ def resolve_dtype(requested: str | None, device: torch.device, checkpoint_dtype:
     return checkpoint_dtype if device.type == "cuda" else torch.float32
 
 
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """flash-attn when it imports on CUDA, else the project's Triton kernels; torch on the CPU."""
+def select_attention_backend(device: torch.device, block_size: int) -> AttentionBackend:
+    """flash-attn when it imports on CUDA (and takes the block size), else the project's Triton
+    kernels; the pure-torch reference on the CPU."""
     if device.type != "cuda":
         return TORCH_BACKEND
-    if importlib.util.find_spec("flash_attn") is not None:
-        from models.attention import flash_attn_backend
+    from models.backends import cuda_backend
 
-        return flash_attn_backend()
-    from models.attention import triton_backend
+    return cuda_backend(block_size)
 
-    return triton_backend()
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes to capture: 1, 2, 4, 8, every multiple of 16, and ``max_num_seqs`` itself,
+    so that every batch the scheduler can form pads to a captured size."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
 
 
 @dataclass(slots=True)
 class StepTiming:
-    """Host seconds spent in each part of ``ModelRunner.run``."""
+    """Host seconds spent in each part of ``ModelRunner.run``; ``padded_batch_size`` is set when the
+    step replayed a CUDA graph."""
 
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    padded_batch_size: int | None = None
 
 
 class ModelRunner:
-    def __init__(self, config: Config, model_config: Qwen3Config, rank: int = 0) -> None:
+    def __init__(self, config: Config, model_config: Qwen3Config, rank: int = 0,
+                 events: EventBus | None = None) -> None:
         self.config = config
+        self.events = events or EventBus()
         self.model_config = model_config
         self.rank = rank
         self.block_size = config.kvcache_block_size
@@ -75,13 +84,19 @@ class ModelRunner:
         self.model = build_model(model_config, dtype=self.dtype, device=self.device)
         load_model(self.model, config.model)
         self.model.eval()
-        self.backend = select_attention_backend(self.device)
+        self.backend = select_attention_backend(self.device, self.block_size)
         set_attention_backend(self.model, self.backend)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.timing = StepTiming()
         self.allocate_kv_cache()
+        # Filled by capture_cudagraph(), which the engine calls once it has announced itself.
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    @property
+    def uses_cudagraphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
 
     # --- KV cache -----------------------------------------------------------------------------
 
@@ -200,7 +215,74 @@ class ModelRunner:
         ))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
 
+    # --- CUDA graphs --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> None:
+        """Capture the decode forward for each size of ``graph_batch_sizes``, largest first, all in
+        one memory pool. Replays read their inputs from static buffers that ``run_model`` fills."""
+        config = self.config
+        self.graph_bs = graph_batch_sizes(config.max_num_seqs)
+        max_bs = self.graph_bs[-1]
+        max_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
+        device = self.device
+        self.graph_vars = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=device),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=device),
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=device),
+            "block_tables": torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device),
+            "outputs": torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.dtype, device=device),
+        }
+        gv = self.graph_vars
+        start = time.perf_counter()
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        pool = None
+        for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="Capturing CUDA graphs",
+                       disable=self.rank != 0, leave=False):
+            set_context(Context(is_prefill=False, slot_mapping=gv["slot_mapping"][:bs],
+                                context_lens=gv["context_lens"][:bs], block_tables=gv["block_tables"][:bs]))
+            # One eager run first: kernels compile and allocate outside the capture.
+            gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+            reset_context()
+        torch.cuda.synchronize(device)
+        pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+        self.events.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_bs),
+                             seconds=time.perf_counter() - start, pool_bytes=pool_bytes)
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+        bs = input_ids.size(0)
+        padded = next(size for size in self.graph_bs if size >= bs)
+        context = get_context()
+        gv = self.graph_vars
+        gv["input_ids"][:bs] = input_ids
+        gv["positions"][:bs] = positions
+        # Padding rows write nowhere (slot -1) and attend to nothing (length 0).
+        gv["slot_mapping"].fill_(-1)
+        gv["slot_mapping"][:bs] = context.slot_mapping
+        gv["context_lens"].zero_()
+        gv["context_lens"][:bs] = context.context_lens
+        gv["block_tables"][:bs, : context.block_tables.size(1)] = context.block_tables
+        self.graphs[padded].replay()
+        if self.events.active:
+            self.events.emit(CudaGraphReplay, batch_size=bs, padded_batch_size=padded)
+        return gv["outputs"][:bs], padded
+
     # --- the step -----------------------------------------------------------------------------
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+        """Hidden states -> logits; decode batches that fit a captured graph replay it."""
+        if not is_prefill and self.graphs and input_ids.size(0) <= self.graph_bs[-1]:
+            hidden, self.timing.padded_batch_size = self._replay(input_ids, positions)
+        else:
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -209,14 +291,15 @@ class ModelRunner:
         input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32) if self.rank == 0 else None
         t1 = time.perf_counter()
+        self.timing = StepTiming()
         try:
-            logits = self.model.compute_logits(self.model(input_ids, positions))
+            logits = self.run_model(input_ids, positions, is_prefill)
         finally:
             reset_context()
         t2 = time.perf_counter()
         token_ids = self.sampler(logits, temperatures, self.generator).tolist() if self.rank == 0 else []
         t3 = time.perf_counter()
-        self.timing = StepTiming(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+        self.timing.prepare_s, self.timing.forward_s, self.timing.sample_s = t1 - t0, t2 - t1, t3 - t2
         return token_ids
 
     def describe(self) -> dict[str, str]:

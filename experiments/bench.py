@@ -1,0 +1,200 @@
+"""The yardstick: nano-vllm's bench.py workload, with the memory-bandwidth floor measured in the same run.
+
+    python experiments/bench.py --preset qwen3-0.6b [--peer hf] [--no-telemetry] [--enforce-eager]
+
+256 requests (prompts U[100,1024] of ids U[0,10000], outputs U[100,1024], temperature 0.6,
+ignore_eos), one warm-up call, throughput = output tokens / wall time of the timed ``generate``. The
+floor: every decode step reads all weights and each running request's K/V once, at the device-copy
+bandwidth measured here; throughput is reported as a share of it. ``--peer hf`` runs the same
+workload on transformers' continuous batching, same weights, same process, and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.options import add_engine_args, build_llm, model_dir  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.workloads import bench as bench_workload  # noqa: E402
+from models.config import Qwen3Config, load_qwen3_config  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Floor:
+    copy_bandwidth: float  # bytes/s, read + written
+    decode_bytes: float
+    seconds: float
+    tokens_per_s: float
+
+
+def device_copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Bytes moved per second (read + write) by a large device-to-device copy: the achievable floor."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes_per_step(mc: Qwen3Config, itemsize: int) -> int:
+    """Every decode step reads every layer's weights and the LM head (the embedding lookup is tiny)."""
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    per_layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    return (mc.num_hidden_layers * per_layer + mc.vocab_size * mc.hidden_size) * itemsize
+
+
+def decode_floor(mc: Qwen3Config, itemsize: int, prompt_lens: list[int], output_lens: list[int],
+                 bandwidth: float) -> Floor:
+    """All requests decode together (the whole workload fits the pool); step k reads the weights and
+    the K/V of every request still generating, whose context is prompt + k + 1 tokens."""
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
+    weights = weight_bytes_per_step(mc, itemsize)
+    total = 0
+    for k in range(max(output_lens) - 1):
+        active = [p for p, o in zip(prompt_lens, output_lens) if o - 1 > k]
+        total += weights + kv_per_token * (sum(active) + len(active) * (k + 1))
+    seconds = total / bandwidth
+    return Floor(bandwidth, total, seconds, sum(output_lens) / seconds)
+
+
+def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    llm = build_llm(args)
+    consumers = []
+    if not args.no_telemetry:
+        from telemetry.prometheus import PrometheusExporter
+        from telemetry.recorder import EventRecorder
+
+        record = args.record or Path(tempfile.mkdtemp()) / "bench.jsonl.gz"
+        consumers = [PrometheusExporter(Path(llm.config.model).name, port=0), EventRecorder(record)]
+        for consumer in consumers:
+            consumer.attach(llm.events)
+    steps = []
+    llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    steps.clear()
+    if llm.model_runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    for consumer in consumers:
+        consumer.close()
+    decode = [s for s in steps if s.phase == "decode"]
+    host = {part: statistics.mean(getattr(s, part) for s in decode) * 1e3 if decode else 0.0
+            for part in ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")}
+    return {
+        "seconds": seconds,
+        "output_tokens": sum(p.max_tokens for p in params),
+        "tokens_per_s": sum(p.max_tokens for p in params) / seconds,
+        "num_blocks": llm.config.num_kvcache_blocks,
+        "backend": llm.model_runner.backend.name,
+        "cuda_graphs": bool(llm.model_runner.graphs),
+        "decode_steps": len(decode),
+        "decode_host_ms": host,
+        "telemetry": not args.no_telemetry,
+        "_llm": llm,
+    }
+
+
+HF_SETTINGS = dict(attn_implementation="paged|sdpa", block_size=256, max_batch_tokens=16384,
+                   use_cuda_graph=True, scheduler_type="fifo", max_memory_percent=0.9)
+
+
+def run_hf_peer(model_dir: str, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """transformers' continuous batching with its best documented settings, same weights."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").to("cuda").eval()
+    gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=max(p.max_tokens for p in params),
+                           eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(block_size=HF_SETTINGS["block_size"], max_batch_tokens=HF_SETTINGS["max_batch_tokens"],
+                                  max_memory_percent=HF_SETTINGS["max_memory_percent"],
+                                  use_cuda_graph=HF_SETTINGS["use_cuda_graph"], scheduler_type=HF_SETTINGS["scheduler_type"])
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb) as manager:
+        t = time.perf_counter()
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=p.max_tokens, eos_token_id=-1)
+        done = {}
+        while len(done) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+        seconds = time.perf_counter() - t
+    tokens = sum(len(r.generated_tokens) for r in done.values())
+    del model
+    torch.cuda.empty_cache()
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "settings": HF_SETTINGS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser, preset="qwen3-0.6b")
+    parser.add_argument("--num-requests", type=int, default=256, help="default: %(default)s (nano-vllm's)")
+    parser.add_argument("--peer", choices=("hf",), help="also run transformers' continuous batching")
+    parser.add_argument("--no-telemetry", action="store_true", help="no Prometheus exporter or recorder attached")
+    parser.add_argument("--record", type=Path, help="where the recording goes (default: a temporary file)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+
+    vocab_size = load_qwen3_config(model_dir(args)).vocab_size
+    requests = list(bench_workload(vocab_size, seed=0, num_requests=args.num_requests))
+    ours = run_glassbox(args, [r.prompt_token_ids for r in requests], [r.sampling_params for r in requests])
+    llm = ours.pop("_llm")
+    mc, runner = llm.model_config, llm.model_runner
+    prompts = [r.prompt_token_ids for r in requests]
+    params = [r.sampling_params for r in requests]
+    if runner.device.type != "cuda":
+        print(f"glassbox: {ours['output_tokens']} tokens in {ours['seconds']:.2f}s = {ours['tokens_per_s']:.1f} tok/s "
+              "(CPU: no bandwidth floor)")
+        return 0
+    checkpoint = llm.config.model
+    del llm, runner
+    torch.cuda.empty_cache()
+    floor = decode_floor(mc, torch.finfo(torch.bfloat16).bits // 8, [len(p) for p in prompts],
+                         [p.max_tokens for p in params], device_copy_bandwidth(torch.device("cuda")))
+    results = {"device": torch.cuda.get_device_name(), "glassbox": ours, "floor": asdict(floor),
+               "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s}
+    print(f"device            {results['device']}")
+    print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(f"floor             {floor.tokens_per_s:,.0f} tok/s ({floor.decode_bytes / 1e12:.2f} TB of decode reads)")
+    print(f"glassbox          {ours['output_tokens']:,} tok in {ours['seconds']:.2f}s = {ours['tokens_per_s']:,.0f} tok/s "
+          f"= {results['share_of_floor']:.1%} of the floor  [{ours['backend']}, graphs={ours['cuda_graphs']}, "
+          f"telemetry={ours['telemetry']}, {ours['num_blocks']} blocks]")
+    print("decode step host ms " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ours["decode_host_ms"].items()))
+    if args.peer == "hf":
+        peer = run_hf_peer(checkpoint, prompts, params)
+        results["hf"] = peer
+        results["ratio_vs_hf"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+        print(f"transformers      {peer['output_tokens']:,} tok in {peer['seconds']:.2f}s = {peer['tokens_per_s']:,.0f} tok/s "
+              f"with {peer['settings']}")
+        print(f"ratio             {results['ratio_vs_hf']:.1f}x")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
