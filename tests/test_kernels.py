@@ -1,0 +1,404 @@
+"""Triton kernels against the pure-torch reference.
+
+Without CUDA the kernels run under Triton's interpreter (fp32/fp16 only: it computes bf16 wrongly).
+Triton decides interpreter-or-compiler when ``triton`` and each ``@triton.jit`` function are first
+imported, so ``TRITON_INTERPRET=1`` is set here before anything imports triton, and only when CUDA
+is absent: on a GPU machine nothing changes for other test modules, and on a CPU-only one no Triton
+kernel could run compiled anyway. If another module imported triton first (so the interpreter is
+off on a CPU-only machine), the CPU tests fail with a message rather than silently skip. GPU tests
+(``-m gpu``) sweep bf16/fp16 widely on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import paged_attention as attn  # noqa: E402  (after TRITON_INTERPRET)
+from kernels import store_kvcache as store  # noqa: E402
+from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref  # noqa: E402
+
+INTERPRETED = type(attn._decode_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.fixture
+def cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU-only machines; -m gpu covers CUDA")
+    if not INTERPRETED:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in the environment "
+                    "or in tests/conftest.py")
+
+
+@pytest.fixture
+def gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+# ---------------------------------------------------------------------------------------------
+# Random paged batches
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _paged_cache(
+    k_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and shuffled block tables padded with -1 (unused blocks stay random)."""
+    need = [_cdiv(k, block_size) for k in k_lens]
+    num_blocks = sum(need) + 3
+    width = max(max(need, default=0) + 1, 1)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(k_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(perm[used : used + n], dtype=torch.int32)
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    return k_cache.to(device), v_cache.to(device), tables.to(device)
+
+
+def _check_decode(
+    ctx_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    **kwargs: object,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = _paged_cache(ctx_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(len(ctx_lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    attn.decode_attention(q, k_cache, v_cache, lens, tables, scale, out=out, **kwargs)
+    ref = decode_attention_ref(q, k_cache, v_cache, lens, tables, scale)
+    assert not out.isnan().any()
+    for i, n in enumerate(ctx_lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i])), "padding row must be zeros"
+    assert _rel_err(out, ref) < _TOL[dtype], (ctx_lens, kwargs, _rel_err(out, ref))
+
+
+def _check_prefill(
+    q_lens: list[int],
+    k_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    **kwargs: object,
+) -> None:
+    """Store this step's K/V with ``store_kvcache`` (the engine's order), then attend."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = _paged_cache(k_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    total = sum(q_lens)
+    q = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype).to(device)
+    new_k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    new_v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    slots = []
+    for i, (ql, kl) in enumerate(zip(q_lens, k_lens)):
+        for pos in range(kl - ql, kl):
+            slots.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
+    store.store_kvcache(new_k, new_v, k_cache, v_cache, slot_mapping)
+
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    attn.prefill_attention(q, k_cache, v_cache, cu_q, cu_k, tables, scale, out=out,
+                           max_seqlen_q=max(q_lens), **kwargs)
+    ref = prefill_attention_ref(q, k_cache, v_cache, cu_q, cu_k, tables, scale)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < _TOL[dtype], (q_lens, k_lens, kwargs, _rel_err(out, ref))
+
+
+def _check_store(
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    slot_dtype: torch.dtype = torch.int32,
+    src_dtype: torch.dtype | None = None,
+    strided_cache: bool = False,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = _cdiv(num_tokens, block_size) + 2
+    kv_size = num_kv_heads * head_dim
+    # K and V as views into a fused qkv projection output: row stride != kv_heads * head_dim.
+    qkv = torch.randn(num_tokens, 2 * kv_size + 3 * kv_size, generator=gen).to(src_dtype or dtype).to(device)
+    key = qkv[:, 3 * kv_size : 4 * kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 4 * kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if strided_cache:  # vLLM-style [num_blocks, 2, ...] allocation, K and V interleaved per block
+        both = torch.randn(num_blocks, 2, *shape[1:], generator=gen).to(dtype).to(device)
+        k_cache, v_cache = both[:, 0], both[:, 1]
+    else:
+        k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+        v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1  # CUDA-graph padding rows
+    slot_mapping = slots.to(slot_dtype).to(device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def _ragged(rng: random.Random, batch: int, lo: int, hi: int) -> list[int]:
+    return [rng.randint(lo, hi) for _ in range(batch)]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (Triton interpreter)
+
+# (block_size, num_heads, num_kv_heads, head_dim): every block size, GQA ratio 1/2/4/8, head_dim.
+_CPU_SHAPES = [
+    (16, 2, 2, 32),
+    (16, 4, 2, 64),
+    (32, 8, 2, 32),
+    (32, 8, 1, 128),
+    (64, 4, 4, 64),
+    (64, 16, 2, 32),
+    (16, 16, 2, 128),
+    (64, 8, 8, 32),
+]
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", _CPU_SHAPES)
+def test_decode_cpu(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    rng = random.Random(block_size * 1000 + num_heads * 10 + head_dim)
+    for seed, dtype in enumerate((torch.float32, torch.float16)):
+        # Ragged contexts, a padding row (length 0), a one-token context, a full-block boundary.
+        ctx = [*_ragged(rng, 3, 1, 150), 0, 1, 2 * block_size, 300]
+        rng.shuffle(ctx)
+        for splits in (1, 4):
+            _check_decode(ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
+                          seed, num_splits=splits)
+    # Tile smaller than a block (one table read per tile) and the automatic split choice.
+    _check_decode(_ragged(rng, 2, 1, 100), num_heads, num_kv_heads, head_dim, block_size,
+                  torch.float32, "cpu", 7, tile=16)
+
+
+@pytest.mark.usefixtures("cpu")
+def test_decode_cpu_all_padding_and_split_heuristic() -> None:
+    _check_decode([0, 0], 4, 2, 32, 16, torch.float32, "cpu", 0, num_splits=2)
+    _check_decode([0, 0], 4, 2, 32, 16, torch.float32, "cpu", 0, num_splits=1)
+    device = torch.device("cpu")
+    assert attn.decode_num_splits(1, 8, device, max_seqlen_k=100) == 1
+    for batch in (1, 3, 64, 512):
+        n = attn.decode_num_splits(batch, 8, device)
+        assert 1 <= n <= 16 and n & (n - 1) == 0
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", _CPU_SHAPES)
+def test_prefill_cpu(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    b = block_size
+    cases = [
+        # plain prompts (k_len == q_len), ragged
+        ([5, 40, 1], [5, 40, 1]),
+        # prefix-cache hits (whole blocks cached) and a chunk continuing a partial prompt
+        ([7, 20, 3], [7 + 2 * b, 20 + b, 3 + 5]),
+    ]
+    for seed, (q_lens, k_lens) in enumerate(cases):
+        for dtype in (torch.float32, torch.float16):
+            _check_prefill(q_lens, k_lens, num_heads, num_kv_heads, head_dim,
+                           block_size, dtype, "cpu", seed, block_m=16, block_n=16)
+    # Default tiles (64 x 64) and a key tile that spans several blocks.
+    _check_prefill([70, 2], [70 + b + 3, 2], num_heads, num_kv_heads, head_dim,
+                   block_size, torch.float32, "cpu", 9)
+
+
+@pytest.mark.usefixtures("cpu")
+def test_prefill_cpu_empty_query_rows() -> None:
+    # A sequence with no query tokens in the middle of the batch is skipped.
+    _check_prefill([4, 0, 9], [4, 0, 30], 4, 2, 32, 16, torch.float32, "cpu", 3,
+                   block_m=16, block_n=32)
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,block_size,slot_dtype,strided_cache",
+    [
+        (2, 32, 16, torch.int32, False),
+        (3, 32, 16, torch.int64, False),  # row of 96: not a power of two, masked
+        (8, 64, 32, torch.int64, True),
+        (1, 128, 64, torch.int32, True),
+    ],
+)
+def test_store_kvcache_cpu(
+    num_kv_heads: int, head_dim: int, block_size: int, slot_dtype: torch.dtype, strided_cache: bool
+) -> None:
+    for seed, dtype in enumerate((torch.float32, torch.float16)):
+        _check_store(37, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
+                     slot_dtype=slot_dtype, strided_cache=strided_cache)
+    # fp32 rows into an fp16 cache are cast, like the reference.
+    _check_store(9, num_kv_heads, head_dim, block_size, torch.float16, "cpu", 5,
+                 src_dtype=torch.float32)
+
+
+@pytest.mark.usefixtures("cpu")
+def test_store_kvcache_cpu_empty_and_all_skipped() -> None:
+    key = torch.randn(4, 2, 32)
+    k_cache = torch.randn(2, 16, 2, 32)
+    v_cache = torch.randn(2, 16, 2, 32)
+    before = k_cache.clone(), v_cache.clone()
+    store.store_kvcache(key, key, k_cache, v_cache, torch.full((4,), -1, dtype=torch.int32))
+    store.store_kvcache(key[:0], key[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: wide sweep in bf16 and fp16 on CUDA
+
+_GPU_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+    if dtype == torch.float16 and (block_size != 16 or head_dim != 128):
+        pytest.skip("fp16 sweeps a slice; bf16 sweeps everything")
+    num_kv_heads = 16 // group if group < 16 else 1
+    rng = random.Random(block_size + group + head_dim)
+    # Small batches (split-KV path), long contexts, a big batch (one split), padding rows.
+    batches = [
+        [rng.randint(1, 3000)],
+        [*_ragged(rng, 6, 1, 2000), 0, 0],
+        [*_ragged(rng, 96, 1, 600), *([0] * 32)],
+    ]
+    for seed, ctx in enumerate(batches):
+        _check_decode(ctx, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, "cuda", seed)
+    _check_decode(batches[1], num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, "cuda",
+                  5, num_splits=8, max_seqlen_k=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+    if dtype == torch.float16 and (block_size != 16 or head_dim != 128):
+        pytest.skip("fp16 sweeps a slice; bf16 sweeps everything")
+    num_kv_heads = 2
+    rng = random.Random(block_size * group + head_dim)
+    q_lens = [*_ragged(rng, 5, 1, 700), 1, 0]
+    hits = [rng.choice([0, block_size * rng.randint(1, 4), rng.randint(1, 900)]) for _ in q_lens]
+    k_lens = [q + h for q, h in zip(q_lens, hits)]
+    _check_prefill(q_lens, k_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size,
+                   dtype, "cuda", 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+def test_head_dim_32_gpu(dtype: torch.dtype) -> None:
+    _check_decode([0, 17, 900, 31], 8, 2, 32, 32, dtype, "cuda", 0)
+    _check_prefill([100, 3], [300, 3], 8, 2, 32, 32, dtype, "cuda", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+def test_store_kvcache_gpu(dtype: torch.dtype) -> None:
+    _check_store(4097, 8, 128, 256, dtype, "cuda", 0)
+    _check_store(300, 3, 64, 16, dtype, "cuda", 1, slot_dtype=torch.int64, strided_cache=True)
+    _check_store(300, 8, 128, 16, dtype, "cuda", 2, src_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+def test_int64_offsets_gpu() -> None:
+    """A cache past 2**31 elements: slot * row and block * stride must not wrap in int32."""
+    block_size, kv_heads, head_dim = 16, 8, 128
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + 64  # ~4.3 GB per cache in bf16
+    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    ctx = 50
+    blocks = torch.arange(num_blocks - 4, num_blocks, dtype=torch.int32, device="cuda")
+    tables = blocks[None, :]
+    slots = (blocks.long()[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()[:ctx]
+    key = torch.randn(ctx, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    value = torch.randn_like(key)
+    store.store_kvcache(key, value, k_cache, v_cache, slots.to(torch.int32))
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], key)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], value)
+    q = torch.randn(1, 16, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    out = attn.decode_attention(q, k_cache, v_cache, lens, tables, 0.1)
+    ref = decode_attention_ref(q, k_cache, v_cache, lens, tables, 0.1)
+    assert _rel_err(out, ref) < _TOL[torch.bfloat16]
+    cu = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
+    qp = torch.randn(ctx, 16, head_dim, dtype=torch.bfloat16, device="cuda")
+    out = attn.prefill_attention(qp, k_cache, v_cache, cu, cu, tables, 0.1, max_seqlen_q=ctx)
+    ref = prefill_attention_ref(qp, k_cache, v_cache, cu, cu, tables, 0.1)
+    assert _rel_err(out, ref) < _TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+def test_decode_cuda_graph_gpu() -> None:
+    """Decode captures into a CUDA graph and replays with new lengths and tables."""
+    gen = torch.Generator().manual_seed(0)
+    batch, block_size, kv_heads, heads, head_dim = 8, 16, 2, 4, 64
+    k_cache, v_cache, tables = _paged_cache([200] * batch, block_size, kv_heads, head_dim, torch.bfloat16,
+                                            "cuda", gen)
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), 200, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    for _ in range(2):  # compile outside the capture
+        attn.decode_attention(q, k_cache, v_cache, lens, tables, 0.125, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.decode_attention(q, k_cache, v_cache, lens, tables, 0.125, out=out)
+    lens.copy_(torch.tensor([5, 0, 200, 17, 1, 199, 64, 0], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = decode_attention_ref(q, k_cache, v_cache, lens, tables, 0.125)
+    assert _rel_err(out, ref) < _TOL[torch.bfloat16]
