@@ -1,0 +1,124 @@
+"""A headless live run: ``python -m telemetry --preset tiny --workload mixed --metrics-port 8000``.
+
+Runs the engine on a workload that arrives over time, with the requested consumers attached, and
+prints a status line every few seconds (in the spirit of vLLM's): prompt and generation tok/s,
+running and waiting requests, KV usage, prefix hit rate, preemptions. Stops at ``--duration`` or on
+Ctrl-C / SIGTERM, releasing the engine, the port and the recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.events import Event
+from engine.live import LiveEngine
+from engine.options import LIVE_DEFAULTS, add_engine_args, add_workload_args, build_llm, build_workload, model_dir
+from telemetry.options import add_telemetry_args, open_consumers
+
+
+@dataclass
+class StatusCounter:
+    """Totals since the last status line, fed from the event bus (cheap enough to run inline)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    queried: int = 0
+    hits: int = 0
+    preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    num_blocks: int = 1
+    finished: int = 0
+
+    def __call__(self, event: Event) -> None:
+        kind = event.kind
+        if kind == "step":
+            self.prompt_tokens += event.num_prefill_tokens
+        elif kind == "tokens":
+            self.generation_tokens += len(event.token_ids)
+        elif kind == "schedule":
+            self.running, self.waiting, self.free_blocks = event.running, event.waiting, event.free_blocks
+        elif kind == "prefix_hit":
+            self.queried += event.query_tokens
+            self.hits += event.hit_tokens
+        elif kind == "preempt":
+            self.preemptions += 1
+        elif kind == "request_finished":
+            self.finished += 1
+        elif kind == "engine_started":
+            self.num_blocks = event.num_blocks
+            self.free_blocks = event.num_blocks
+
+    def line(self, seconds: float) -> str:
+        usage = 1 - self.free_blocks / self.num_blocks
+        hit_rate = self.hits / self.queried if self.queried else 0.0
+        text = (f"Avg prompt throughput: {self.prompt_tokens / seconds:.1f} tokens/s, "
+                f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
+                f"Running: {self.running} reqs, Waiting: {self.waiting} reqs, "
+                f"KV cache usage: {usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}, "
+                f"Preemptions: {self.preemptions}, Finished: {self.finished}")
+        self.prompt_tokens = self.generation_tokens = self.queried = self.hits = 0
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m telemetry", description=__doc__.split("\n\n")[0])
+    add_engine_args(parser, **LIVE_DEFAULTS)
+    add_workload_args(parser, duration=None)
+    add_telemetry_args(parser)
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between status lines (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log = logging.getLogger("glassbox")
+
+    from engine.workloads import WORKLOADS
+
+    if args.workload not in WORKLOADS:  # argparse checks choices; kept for programmatic callers
+        parser.error(f"unknown workload {args.workload!r}")
+    checkpoint = model_dir(args)
+    try:
+        consumers = open_consumers(args, model_name=Path(checkpoint).name, meta={"workload": args.workload})
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        llm = build_llm(args)
+        for consumer in consumers:
+            consumer.attach(llm.events)
+            if getattr(consumer, "url", None):
+                log.info("serving metrics at %s", consumer.url)
+        status = StatusCounter()
+        llm.events.subscribe(status)
+        workload = build_workload(args, llm.model_config.vocab_size)
+        log.info("engine ready: %s, workload %s", Path(checkpoint).name, args.workload)
+        start = last = time.perf_counter()
+        with LiveEngine(llm, workload, on_error=lambda exc: stop.set()) as live:
+            while not stop.wait(min(args.interval, 0.2)):
+                now = time.perf_counter()
+                if args.duration is not None and now - start >= args.duration:
+                    break
+                if now - last >= args.interval:
+                    log.info(status.line(now - last))
+                    last = now
+        if live.error is not None:
+            log.error("engine error: %s", live.error)
+            return 1
+        return 0
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The one way a consumer takes events off the engine's hot path.
+
+The bus calls :meth:`EventQueue.put` on the engine thread inside a step, so it only does a
+non-blocking put into a bounded queue and counts what does not fit. A daemon worker drains the
+queue into the consumer's handler. :class:`Consumer` wraps that into the shape every telemetry
+consumer shares: ``attach(bus)``, ``flush()``, ``close()`` and use as a context manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from typing import Callable
+
+from engine.events import Event, EventBus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAXSIZE = 65536
+
+# Every live queue, so the Prometheus exporter can report drops and handler errors of all
+# consumers in the process, not only its own.
+_live_queues: weakref.WeakSet[EventQueue] = weakref.WeakSet()
+
+
+class _Stop:
+    """Sentinel that tells the worker to exit; FIFO order makes it drain everything before it."""
+
+
+class _Flush:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class EventQueue:
+    """A bounded queue between the bus callback and a handler that runs on its own daemon thread."""
+
+    def __init__(self, handler: Callable[[Event], None], name: str, maxsize: int = DEFAULT_MAXSIZE):
+        self.name = name
+        self.dropped = 0
+        self.handler_errors = 0
+        self._handler = handler
+        self._queue: queue.Queue[Event | _Stop | _Flush] = queue.Queue(maxsize)
+        self._closed = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self._worker = threading.Thread(target=self._run, name=f"glassbox-{name}", daemon=True)
+        self._worker.start()
+        _live_queues.add(self)
+
+    def put(self, event: Event) -> None:
+        """The bus callback: never blocks the engine; a full queue costs the event, counted."""
+        if self._closed:
+            return
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+
+    def attach(self, bus: EventBus) -> None:
+        if self._unsubscribe is not None:
+            raise RuntimeError(f"{self.name} is already attached to a bus")
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        self._unsubscribe = bus.subscribe(self.put)
+
+    def detach(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every event queued so far has been handled; False on timeout."""
+        if self._closed or not self._worker.is_alive():
+            return not self._queue.qsize()
+        marker = _Flush()
+        try:
+            self._queue.put(marker, timeout=timeout)
+        except queue.Full:
+            return False
+        return marker.done.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Detach, handle what is already queued, stop the worker. Safe to call twice."""
+        if self._closed:
+            return
+        self.detach()
+        self._closed = True
+        try:
+            # Blocking is fine here: the worker is draining, so room appears unless the handler hangs.
+            self._queue.put(_Stop(), timeout=timeout)
+        except queue.Full:
+            logger.warning("%s: queue still full after %.1fs; abandoning its worker", self.name, timeout)
+            return
+        self._worker.join(timeout)
+        if self._worker.is_alive():
+            logger.warning("%s: worker did not finish within %.1fs", self.name, timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, _Stop):
+                return
+            if isinstance(item, _Flush):
+                item.done.set()
+                continue
+            try:
+                self._handler(item)
+            except Exception:
+                self.handler_errors += 1
+                # The first traceback explains the bug; repeating it per event would flood the log.
+                if self.handler_errors == 1:
+                    logger.exception("%s: handler raised on %s; later errors are only counted", self.name, item.kind)
+
+
+def queue_stats() -> dict[str, tuple[int, int]]:
+    """``{consumer name: (dropped, handler_errors)}`` over live queues, summed per name."""
+    stats: dict[str, tuple[int, int]] = {}
+    for q in list(_live_queues):
+        dropped, errors = stats.get(q.name, (0, 0))
+        stats[q.name] = (dropped + q.dropped, errors + q.handler_errors)
+    return stats
+
+
+class Consumer:
+    """Base of the telemetry consumers: events reach :meth:`handle` on the queue's worker thread.
+
+    :meth:`handle` is public so a replay or a test can also feed a consumer synchronously (while
+    it is not attached to a bus). Subclasses release their resources in :meth:`_shutdown`, which
+    runs after the queue has drained."""
+
+    name = "consumer"
+
+    def __init__(self, queue_size: int = DEFAULT_MAXSIZE) -> None:
+        self._events = EventQueue(self.handle, self.name, queue_size)
+        self._shut = False
+
+    def handle(self, event: Event) -> None:
+        raise NotImplementedError
+
+    @property
+    def dropped(self) -> int:
+        return self._events.dropped
+
+    @property
+    def handler_errors(self) -> int:
+        return self._events.handler_errors
+
+    def put(self, event: Event) -> None:
+        """Queue one event as the bus would (for feeding a consumer without a bus)."""
+        self._events.put(event)
+
+    def attach(self, bus: EventBus) -> None:
+        self._events.attach(bus)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return self._events.flush(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._events.close(timeout)
+        if not self._shut:
+            self._shut = True
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        pass
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,44 @@
+"""The telemetry options live runs share (`python -m telemetry`, `python -m tui`), and the consumers
+they open. Everything that can fail (a busy port, an unwritable path, a bad endpoint) fails here,
+before the engine is built."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from telemetry.event_queue import Consumer
+
+
+def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("telemetry")
+    g.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on 127.0.0.1:PORT (0 picks a free port)")
+    g.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default: %(default)s)")
+    g.add_argument("--otlp-endpoint", metavar="URL",
+                   help="export OpenTelemetry traces over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces "
+                        "(the standard OTEL_* variables work too)")
+    g.add_argument("--record", type=Path, metavar="FILE", help="write every event as JSON lines (.gz to compress)")
+
+
+def open_consumers(args: argparse.Namespace, model_name: str, meta: dict | None = None) -> list[Consumer]:
+    """The consumers the arguments ask for, not yet attached; on error, those opened are closed again."""
+    consumers: list[Consumer] = []
+    try:
+        if args.metrics_port is not None:
+            from telemetry.prometheus import PrometheusExporter
+
+            consumers.append(PrometheusExporter(model_name, host=args.metrics_host, port=args.metrics_port))
+        if args.otlp_endpoint is not None:
+            from telemetry.tracing import RequestTracer
+
+            consumers.append(RequestTracer(otlp_endpoint=args.otlp_endpoint, model_name=model_name))
+        if args.record is not None:
+            from telemetry.recorder import EventRecorder
+
+            consumers.append(EventRecorder(args.record, meta=meta))
+    except BaseException:
+        for consumer in consumers:
+            consumer.close()
+        raise
+    return consumers

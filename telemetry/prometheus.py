@@ -1,0 +1,506 @@
+"""Prometheus exporter: vLLM's metric contract (names, types, labels, buckets) fed by engine events.
+
+vLLM's dashboards, the Gateway API inference extension's endpoint picker and KEDA/KServe queries
+work unchanged against it. What vLLM has no metric for lives under ``glassbox:``. Every metric gets
+its own ``CollectorRegistry`` per exporter so two exporters in one process never clash.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.events import (
+    BlockAlloc,
+    BlockEvict,
+    BlockFree,
+    BlockStored,
+    CudaGraphCapture,
+    CudaGraphReplay,
+    EngineStarted,
+    Event,
+    FirstToken,
+    Preempt,
+    PrefixHit,
+    RequestArrived,
+    RequestFinished,
+    RequestRejected,
+    Schedule,
+    Step,
+    Tokens,
+)
+from telemetry.event_queue import DEFAULT_MAXSIZE, Consumer, queue_stats
+from telemetry.intervals import RequestIntervals
+
+# Bucket boundaries exactly as vLLM's loggers.py (reference/observability.md §1.3).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
+# vLLM's FinishReason values; every series exists from the start so rate() works from zero.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+# glassbox-only: engine steps take from well under a millisecond (tiny CPU models) to seconds.
+STEP_DURATION_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+PHASES = ("prefill", "decode")
+HOST_STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")
+
+LABELS = ("model_name", "engine")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class PortInUseError(OSError):
+    pass
+
+
+# Always the classic text format: prometheus_client 0.26 answers Prometheus's OpenMetrics Accept
+# header with sample names whose colons are escaped to underscores (vllm_num_requests_running),
+# which would break every vLLM query. Version 0.0.4 text keeps the names and every scraper reads it.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _metrics_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"only /metrics is served here\n"]
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+@dataclass(slots=True)
+class _Request:
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int
+    running: bool = False
+    cached_tokens: int | None = None  # prefix hit at first admission
+    last_token: float | None = None
+
+
+class _QueueStatsCollector(Collector):
+    """Drops and handler errors of every consumer queue in the process, read at scrape time."""
+
+    def __init__(self, model_name: str, engine: str) -> None:
+        self._label_values = (model_name, engine)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        labels = [*LABELS, "consumer"]
+        dropped = CounterMetricFamily(
+            "glassbox:dropped_events", "Events a consumer's full queue refused (the engine never waits).", labels=labels
+        )
+        errors = CounterMetricFamily(
+            "glassbox:consumer_errors", "Events on which a consumer's handler raised.", labels=labels
+        )
+        for name, (n_dropped, n_errors) in sorted(queue_stats().items()):
+            dropped.add_metric([*self._label_values, name], n_dropped)
+            errors.add_metric([*self._label_values, name], n_errors)
+        yield dropped
+        yield errors
+
+
+class PrometheusExporter(Consumer):
+    """``/metrics`` over HTTP on ``host:port`` (``port=0`` picks a free one; ``None`` serves nothing,
+    read :meth:`exposition` instead). The port is bound in the constructor, so a busy port fails
+    before the engine starts."""
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        engine: str = "0",
+        queue_size: int = DEFAULT_MAXSIZE,
+    ) -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests: dict[int, _Request] = {}
+        self._running = 0
+        self._waiting = 0
+        self._free_blocks: int | None = None
+        self._num_blocks: int | None = None
+        self._config_metrics_ready = False
+        self._create_metrics()
+        self.registry.register(_QueueStatsCollector(model_name, engine))
+        self._server, self._server_thread = self._serve(host, port) if port is not None else (None, None)
+        super().__init__(queue_size)
+        # Handlers take their own event subclass; the kind string guarantees the match.
+        self._handlers: dict[str, Callable[[Any], None]] = {
+            "engine_started": self._on_engine_started,
+            "request_arrived": self._on_arrived,
+            "request_rejected": self._on_rejected,
+            "prefix_hit": self._on_prefix_hit,
+            "block_alloc": self._on_block_alloc,
+            "block_free": self._on_block_free,
+            "block_stored": self._on_block_stored,
+            "block_evict": self._on_block_evict,
+            "schedule": self._on_schedule,
+            "preempt": self._on_preempt,
+            "step": self._on_step,
+            "tokens": self._on_tokens,
+            "first_token": self._on_first_token,
+            "cudagraph_capture": self._on_capture,
+            "cudagraph_replay": self._on_replay,
+            "request_finished": self._on_finished,
+        }
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_port if self._server is not None else None
+
+    @property
+    def url(self) -> str | None:
+        if self._server is None:
+            return None
+        host = self._server.server_address[0]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/metrics"
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def handle(self, event: Event) -> None:
+        handler = self._handlers.get(event.kind)  # type: ignore[attr-defined]  # every subclass has kind
+        if handler is not None:
+            handler(event)
+
+    def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            assert self._server_thread is not None
+            self._server_thread.join(5.0)
+            self._server = None
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def _serve(self, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
+        try:
+            server = make_server(host, port, _metrics_app(self.registry), _Server6 if ":" in host else _Server, _QuietHandler)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    errno.EADDRINUSE, f"port {port} is in use; pass --metrics-port with a free port"
+                ) from exc
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
+        # A short poll keeps close() quick; serve_forever only polls for its shutdown flag.
+        thread = threading.Thread(target=server.serve_forever, args=(0.05,), name="glassbox-metrics-http", daemon=True)
+        thread.start()
+        return server, thread
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, [*LABELS, *extra], registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, [*LABELS, *extra], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: list, extra: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(name, doc, [*LABELS, *extra], buckets=buckets, registry=self.registry)
+
+    def _create_metrics(self) -> None:
+        lv = (self.model_name, self.engine)
+        # Children are bound once here so the per-event path does no label lookups (vLLM does the same).
+        self.running = self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.").labels(*lv)
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.").labels(*lv)
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(*lv)
+
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*lv)
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Number of generation tokens processed.").labels(*lv)
+        self.prompt_tokens_cached = self._counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        ).labels(*lv)
+        by_source = self._counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",))
+        self.prompt_by_source = {s: by_source.labels(*lv, s) for s in PROMPT_SOURCES}
+        success = self._counter("vllm:request_success", "Count of successfully processed requests.", ("finished_reason",))
+        self.request_success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
+        self._success_family = success
+        self.preemptions = self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.").labels(*lv)
+        self.prefix_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        ).labels(*lv)
+        self.prefix_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ).labels(*lv)
+
+        h = self._histogram
+        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS).labels(*lv)
+        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS).labels(*lv)
+        self.tpot = h(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS
+        ).labels(*lv)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS).labels(*lv)
+        self.queue_time = h(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS
+        ).labels(*lv)
+        self.inference_time = h(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS
+        ).labels(*lv)
+        self.prefill_time = h(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS
+        ).labels(*lv)
+        self.decode_time = h(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS
+        ).labels(*lv)
+        self.iteration_tokens = h(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        ).labels(*lv)
+        self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS).labels(*lv)
+        self.request_preemptions = h(
+            "vllm:request_num_preemptions", "Number of preemptions per finished request.", NUM_PREEMPTIONS_BUCKETS
+        ).labels(*lv)
+
+        # glassbox extras: what vLLM does not export.
+        self.rejected = self._counter("glassbox:rejected_requests", "Requests refused at add_request (bad input).").labels(*lv)
+        self.evictions = self._counter(
+            "glassbox:block_evictions", "Cached free KV blocks reused for new data (prefix-cache entries lost)."
+        ).labels(*lv)
+        self.blocks_stored = self._counter(
+            "glassbox:blocks_stored", "KV blocks that became full, were hashed and entered the prefix cache."
+        ).labels(*lv)
+        self.prefill_chunks = self._counter(
+            "glassbox:prefill_chunks", "Scheduled prefills that were one chunk of a longer prompt (chunked prefill)."
+        ).labels(*lv)
+        self.graph_replays = self._counter("glassbox:cudagraph_replays", "Decode steps that replayed a CUDA graph.").labels(*lv)
+        self.graph_padded_slots = self._counter(
+            "glassbox:cudagraph_padded_slots", "Batch slots computed only as padding up to a captured graph size."
+        ).labels(*lv)
+        self.graph_capture_seconds = self._gauge(
+            "glassbox:cudagraph_capture_seconds", "Time spent capturing CUDA graphs at start-up."
+        ).labels(*lv)
+        self.graph_pool_bytes = self._gauge("glassbox:cudagraph_pool_bytes", "Memory pool held by captured CUDA graphs.").labels(*lv)
+        steps = self._counter("glassbox:steps", "Engine steps by phase.", ("phase",))
+        durations = self._histogram(
+            "glassbox:step_duration_seconds", "Engine step wall time by phase.", STEP_DURATION_BUCKETS, ("phase",)
+        )
+        host = self._counter(
+            "glassbox:step_host_seconds", "Step wall time by phase and stage (rate() gives the share per stage).", ("phase", "stage")
+        )
+        self._steps_family, self._durations_family, self._host_family = steps, durations, host
+        self.steps = {p: steps.labels(*lv, p) for p in PHASES}
+        self.step_duration = {p: durations.labels(*lv, p) for p in PHASES}
+        self.step_host = {(p, s): host.labels(*lv, p, s) for p in PHASES for s in HOST_STAGES}
+
+    def _create_config_metrics(self, started: EngineStarted) -> None:
+        """Metrics whose buckets or labels depend on the engine's configuration."""
+        lv = (self.model_name, self.engine)
+        buckets = build_1_2_5_buckets(started.max_model_len)
+        h = self._histogram
+        self.request_prompt = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", buckets).labels(*lv)
+        self.request_generation = h(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", buckets
+        ).labels(*lv)
+        self.request_max_generation = h(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", buckets
+        ).labels(*lv)
+        self.params_max_tokens = h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", buckets).labels(*lv)
+        self.prefill_kv_computed = h(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            buckets,
+        ).labels(*lv)
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
+            registry=self.registry,
+        )
+        self._config_metrics_ready = True
+
+    # -- event handlers (worker thread) -------------------------------------------------------
+
+    def _set_gauges(self) -> None:
+        self.running.set(max(self._running, 0))
+        self.waiting.set(max(self._waiting, 0))
+        if self._num_blocks and self._free_blocks is not None:
+            self.kv_usage.set(min(max(1.0 - self._free_blocks / self._num_blocks, 0.0), 1.0))
+
+    def _on_engine_started(self, e: EngineStarted) -> None:
+        if not self._config_metrics_ready:
+            self._create_config_metrics(e)
+        self.cache_config.clear()
+        self.cache_config.labels(
+            model_name=self.model_name,
+            engine=self.engine,
+            block_size=str(e.block_size),
+            num_gpu_blocks=str(e.num_blocks),
+            enable_prefix_caching=str(e.enable_prefix_caching),
+            cache_dtype=e.dtype,
+        ).set(1)
+        self._num_blocks = e.num_blocks
+        self._free_blocks = e.num_blocks
+        self._running = self._waiting = 0
+        self._requests.clear()
+        self._set_gauges()
+
+    def _on_arrived(self, e: RequestArrived) -> None:
+        self._requests[e.request_id] = _Request(e.arrival, e.prompt_tokens, e.max_tokens)
+        # Schedule events carry the authoritative counts, but between steps (and when the engine
+        # goes idle) only arrivals and finishes move them.
+        self._waiting += 1
+        self._set_gauges()
+
+    def _on_rejected(self, e: RequestRejected) -> None:
+        self.rejected.inc()
+
+    def _on_prefix_hit(self, e: PrefixHit) -> None:
+        self.prefix_queries.inc(e.query_tokens)
+        self.prefix_hits.inc(e.hit_tokens)
+        req = self._requests.get(e.request_id)
+        if req is not None:
+            req.running = True
+            if req.cached_tokens is None:
+                req.cached_tokens = e.hit_tokens
+
+    def _on_block_alloc(self, e: BlockAlloc) -> None:
+        # Refcount 1 means the block left the free pool (fresh or a cached free block brought back).
+        if self._free_blocks is not None:
+            self._free_blocks -= sum(1 for r in e.refcounts if r == 1)
+
+    def _on_block_free(self, e: BlockFree) -> None:
+        if self._free_blocks is not None:
+            self._free_blocks += sum(1 for r in e.refcounts if r == 0)
+            self._set_gauges()
+
+    def _on_block_stored(self, e: BlockStored) -> None:
+        self.blocks_stored.inc(len(e.block_ids))
+
+    def _on_block_evict(self, e: BlockEvict) -> None:
+        self.evictions.inc()
+
+    def _on_schedule(self, e: Schedule) -> None:
+        self._running, self._waiting, self._free_blocks = e.running, e.waiting, e.free_blocks
+        self._set_gauges()
+        chunks = sum(e.chunked)
+        if chunks:
+            self.prefill_chunks.inc(chunks)
+
+    def _on_preempt(self, e: Preempt) -> None:
+        self.preemptions.inc()
+        req = self._requests.get(e.request_id)
+        if req is not None:
+            req.running = False
+
+    def _on_step(self, e: Step) -> None:
+        self.iteration_tokens.observe(e.num_prefill_tokens + e.num_decode_tokens)
+        phase = e.phase
+        if phase not in self.steps:
+            self.steps[phase] = self._steps_family.labels(self.model_name, self.engine, phase)
+            self.step_duration[phase] = self._durations_family.labels(self.model_name, self.engine, phase)
+            for s in HOST_STAGES:
+                self.step_host[(phase, s)] = self._host_family.labels(self.model_name, self.engine, phase, s)
+        self.steps[phase].inc()
+        self.step_duration[phase].observe(e.duration_s)
+        for stage, seconds in zip(
+            HOST_STAGES, (e.schedule_s, e.prepare_s, e.forward_s, e.sample_s, e.postprocess_s), strict=True
+        ):
+            self.step_host[(phase, stage)].inc(seconds)
+
+    def _on_tokens(self, e: Tokens) -> None:
+        self.generation_tokens.inc(len(e.token_ids))
+        for rid in e.request_ids:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            if req.last_token is not None:
+                self.itl.observe(e.t - req.last_token)
+            req.last_token = e.t
+
+    def _on_first_token(self, e: FirstToken) -> None:
+        req = self._requests.get(e.request_id)
+        if req is None:
+            return
+        self.ttft.observe(e.t - req.arrival)
+        # vLLM counts a request's prompt once, when its prefill completes.
+        cached = req.cached_tokens or 0
+        self.prompt_tokens.inc(req.prompt_tokens)
+        self.prompt_tokens_cached.inc(cached)
+        self.prompt_by_source["local_cache_hit"].inc(cached)
+        self.prompt_by_source["local_compute"].inc(req.prompt_tokens - cached)
+
+    def _on_capture(self, e: CudaGraphCapture) -> None:
+        self.graph_capture_seconds.set(e.seconds)
+        self.graph_pool_bytes.set(e.pool_bytes)
+
+    def _on_replay(self, e: CudaGraphReplay) -> None:
+        self.graph_replays.inc()
+        self.graph_padded_slots.inc(e.padded_batch_size - e.batch_size)
+
+    def _on_finished(self, e: RequestFinished) -> None:
+        counter = self.request_success.get(e.reason)
+        if counter is None:
+            counter = self.request_success[e.reason] = self._success_family.labels(self.model_name, self.engine, e.reason)
+        counter.inc()
+        self.request_preemptions.observe(e.num_preemptions)
+        req = self._requests.pop(e.request_id, None)
+        iv = RequestIntervals.of(e, req.last_token if req is not None else None)
+        self.e2e.observe(iv.e2e)
+        for hist, value in (
+            (self.queue_time, iv.queue),
+            (self.prefill_time, iv.prefill),
+            (self.decode_time, iv.decode),
+            (self.inference_time, iv.inference),
+            (self.tpot, iv.tpot),
+        ):
+            if value is not None:
+                hist.observe(value)
+        self.params_n.observe(1)  # glassbox has no parallel sampling
+        if self._config_metrics_ready:
+            self.request_prompt.observe(e.prompt_tokens)
+            self.request_generation.observe(e.output_tokens)
+            self.request_max_generation.observe(e.output_tokens)
+            self.prefill_kv_computed.observe(e.prompt_tokens - e.cached_tokens)
+            if req is not None:
+                self.params_max_tokens.observe(req.max_tokens)
+        if req is not None:
+            if req.running:
+                self._running -= 1
+            else:
+                self._waiting -= 1
+            self._set_gauges()

@@ -1,0 +1,192 @@
+"""OpenTelemetry traces: one ``llm_request`` span per request, shaped like vLLM's.
+
+As in vLLM, the span is built when the request finishes, with its start backdated to the arrival,
+so no span is held open while a request runs. Engine times are ``perf_counter`` seconds; the
+``engine_started`` event pairs one with the wall clock, which turns them into epoch nanoseconds.
+The provider is private: the process-global one is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from engine.events import (
+    EngineStarted,
+    Event,
+    FirstToken,
+    Preempt,
+    PrefixHit,
+    RequestArrived,
+    RequestFinished,
+    Tokens,
+)
+from telemetry.event_queue import DEFAULT_MAXSIZE, Consumer
+from telemetry.intervals import RequestIntervals
+
+SPAN_NAME = "llm_request"
+DEFAULT_SERVICE_NAME = "glassbox"
+
+
+def validate_endpoint(url: str, source: str = "--otlp-endpoint") -> str:
+    """Return the OTLP/HTTP traces URL, adding ``/v1/traces`` when only scheme://host:port is given."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{source} must be an http(s) URL such as http://127.0.0.1:4318/v1/traces, got {url!r}")
+    if parts.path in ("", "/"):
+        return url.rstrip("/") + "/v1/traces"
+    return url
+
+
+def _resolve_exporter(otlp_endpoint: str | None) -> SpanExporter | None:
+    """The standard ``OTEL_*`` variables, with an explicit endpoint taking precedence."""
+    if otlp_endpoint is not None:
+        endpoint: str | None = validate_endpoint(otlp_endpoint)
+    elif os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        # The signal-specific variable is used as is (OTel spec); validated all the same.
+        raw = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+        validate_endpoint(raw, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        endpoint = raw
+    elif os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        raw = os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        validate_endpoint(raw, "OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = raw.rstrip("/") + "/v1/traces"
+    else:
+        endpoint = None
+    choice = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if endpoint else "console").strip().lower()
+    if choice == "none":
+        return None
+    if choice == "console":
+        return ConsoleSpanExporter()
+    if choice != "otlp":
+        raise ValueError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {choice!r}")
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol and protocol != "http/protobuf":
+        raise ValueError(f"only OTLP over http/protobuf is supported, got OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    # With endpoint None the exporter falls back to its default, http://localhost:4318/v1/traces.
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
+@dataclass(slots=True)
+class _Request:
+    arrived: RequestArrived | None = None
+    last_token: float | None = None
+    span_events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+
+
+class RequestTracer(Consumer):
+    """Exports spans through ``span_exporter`` when given (e.g. ``InMemorySpanExporter`` in tests),
+    else OTLP/HTTP to ``otlp_endpoint`` or the ``OTEL_EXPORTER_OTLP_*`` endpoint, else whatever
+    ``OTEL_TRACES_EXPORTER`` names (console by default). Bad settings raise in the constructor."""
+
+    name = "tracing"
+
+    def __init__(
+        self,
+        service_name: str | None = None,
+        otlp_endpoint: str | None = None,
+        *,
+        span_exporter: SpanExporter | None = None,
+        model_name: str | None = None,
+        queue_size: int = DEFAULT_MAXSIZE,
+    ) -> None:
+        exporter = span_exporter if span_exporter is not None else _resolve_exporter(otlp_endpoint)
+        service = service_name or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
+        self.provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
+        if exporter is not None:
+            # Export happens on the processor's own thread, never on the queue worker.
+            self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._tracer = self.provider.get_tracer("glassbox.telemetry")
+        self.model_name = model_name
+        self._requests: dict[int, _Request] = {}
+        # Until engine_started says otherwise, assume the engine shares this process's clock.
+        self._anchor = (time.time(), time.perf_counter())
+        super().__init__(queue_size)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return super().flush(timeout) and self.provider.force_flush(int(timeout * 1000))
+
+    def _shutdown(self) -> None:
+        self.provider.shutdown()
+
+    def _ns(self, t: float) -> int:
+        wall, anchor_t = self._anchor
+        # Two terms keep sub-microsecond precision that one float near 1.7e18 would lose.
+        return int(wall * 1e9) + int((t - anchor_t) * 1e9)
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, Tokens):
+            for rid in event.request_ids:
+                req = self._requests.get(rid)
+                if req is not None:
+                    req.last_token = event.t
+        elif isinstance(event, RequestArrived):
+            self._requests[event.request_id] = _Request(arrived=event)
+        elif isinstance(event, PrefixHit):
+            self._span_event(event.request_id, "scheduled", event,
+                             {"glassbox.query_tokens": event.query_tokens, "glassbox.hit_tokens": event.hit_tokens})  # fmt: skip
+        elif isinstance(event, Preempt):
+            self._span_event(event.request_id, "preempted", event, {
+                "glassbox.num_tokens": event.num_tokens,
+                "glassbox.freed_blocks": event.freed_blocks,
+                "glassbox.for_request_id": str(event.for_request_id),
+            })  # fmt: skip
+        elif isinstance(event, FirstToken):
+            self._span_event(event.request_id, "first_token", event, {})
+        elif isinstance(event, RequestFinished):
+            self._finish(event)
+        elif isinstance(event, EngineStarted):
+            self._anchor = (event.wall_time, event.t)
+            if self.model_name is None:
+                self.model_name = event.model
+
+    def _span_event(self, rid: int, name: str, event: Event, attrs: dict[str, Any]) -> None:
+        attrs["glassbox.step"] = event.step
+        self._requests.setdefault(rid, _Request()).span_events.append((name, event.t, attrs))
+
+    def _finish(self, done: RequestFinished) -> None:
+        req = self._requests.pop(done.request_id, None) or _Request()
+        iv = RequestIntervals.of(done, req.last_token)
+        attrs: dict[str, Any] = {
+            "gen_ai.request.id": str(done.request_id),
+            "gen_ai.usage.prompt_tokens": done.prompt_tokens,
+            "gen_ai.usage.completion_tokens": done.output_tokens,
+            # Current semconv names beside vLLM's deprecated ones.
+            "gen_ai.usage.input_tokens": done.prompt_tokens,
+            "gen_ai.usage.output_tokens": done.output_tokens,
+            "gen_ai.usage.cached_tokens": done.cached_tokens,
+            "gen_ai.request.n": 1,
+            "gen_ai.response.finish_reasons": (done.reason,),
+            "gen_ai.latency.e2e": iv.e2e,
+            "glassbox.num_preemptions": done.num_preemptions,
+        }
+        if self.model_name is not None:
+            attrs["gen_ai.request.model"] = attrs["gen_ai.response.model"] = self.model_name
+        if req.arrived is not None:
+            attrs["gen_ai.request.max_tokens"] = req.arrived.max_tokens
+            attrs["gen_ai.request.temperature"] = req.arrived.temperature
+        for key, value in (
+            ("gen_ai.latency.time_to_first_token", iv.ttft),
+            ("gen_ai.latency.time_in_queue", iv.queue),
+            ("gen_ai.latency.time_in_model_prefill", iv.prefill),
+            ("gen_ai.latency.time_in_model_decode", iv.decode),
+            ("gen_ai.latency.time_in_model_inference", iv.inference),
+        ):
+            if value is not None:
+                attrs[key] = value
+        span = self._tracer.start_span(SPAN_NAME, kind=SpanKind.SERVER, start_time=self._ns(done.arrival), attributes=attrs)
+        for name, t, event_attrs in req.span_events:
+            span.add_event(name, event_attrs, timestamp=self._ns(t))
+        if done.reason == "error":
+            span.set_status(Status(StatusCode.ERROR, "request finished with an error"))
+        span.end(end_time=self._ns(done.finished))

@@ -1,0 +1,286 @@
+import socket
+import urllib.request
+from collections import Counter
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.events import EventBus, RequestArrived
+from telemetry.grafana import dashboard_exprs, metric_names
+from telemetry.prometheus import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    PortInUseError,
+    PrometheusExporter,
+    build_1_2_5_buckets,
+)
+from tests.synthetic_events import synthetic_events
+
+MODEL = "glassbox-test"
+MAX_MODEL_LEN = 256
+
+# name as exposed by its family -> (type, extra label names, buckets or None)
+REQUIRED = {
+    "vllm:num_requests_running": ("gauge", set(), None),
+    "vllm:num_requests_waiting": ("gauge", set(), None),
+    "vllm:kv_cache_usage_perc": ("gauge", set(), None),
+    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"}, None),
+    "vllm:prompt_tokens": ("counter", set(), None),
+    "vllm:generation_tokens": ("counter", set(), None),
+    "vllm:prompt_tokens_cached": ("counter", set(), None),
+    "vllm:prompt_tokens_by_source": ("counter", {"source"}, None),
+    "vllm:request_success": ("counter", {"finished_reason"}, None),
+    "vllm:num_preemptions": ("counter", set(), None),
+    "vllm:prefix_cache_queries": ("counter", set(), None),
+    "vllm:prefix_cache_hits": ("counter", set(), None),
+    "vllm:time_to_first_token_seconds": ("histogram", set(), TTFT_BUCKETS),
+    "vllm:inter_token_latency_seconds": ("histogram", set(), ITL_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": ("histogram", set(), ITL_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
+    "vllm:request_queue_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prefill_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
+    "vllm:request_decode_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
+    "vllm:request_inference_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prompt_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_generation_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_max_num_generation_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_params_max_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_params_n": ("histogram", set(), [1, 2, 5, 10, 20]),
+    "vllm:request_prefill_kv_computed_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_num_preemptions": ("histogram", set(), NUM_PREEMPTIONS_BUCKETS),
+    "vllm:iteration_tokens_total": ("histogram", set(), ITERATION_TOKENS_BUCKETS),
+    "glassbox:dropped_events": ("counter", {"consumer"}, None),
+    "glassbox:consumer_errors": ("counter", {"consumer"}, None),
+    "glassbox:rejected_requests": ("counter", set(), None),
+    "glassbox:block_evictions": ("counter", set(), None),
+    "glassbox:blocks_stored": ("counter", set(), None),
+    "glassbox:prefill_chunks": ("counter", set(), None),
+    "glassbox:cudagraph_replays": ("counter", set(), None),
+    "glassbox:cudagraph_padded_slots": ("counter", set(), None),
+    "glassbox:cudagraph_capture_seconds": ("gauge", set(), None),
+    "glassbox:cudagraph_pool_bytes": ("gauge", set(), None),
+    "glassbox:steps": ("counter", {"phase"}, None),
+    "glassbox:step_duration_seconds": ("histogram", {"phase"}, [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]),
+    "glassbox:step_host_seconds": ("counter", {"phase", "stage"}, None),
+}
+
+
+def scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def value(families: dict, sample_name: str, **labels: str) -> float:
+    matches = [
+        s.value
+        for family in families.values()
+        for s in family.samples
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(matches) == 1, (sample_name, labels, matches)
+    return matches[0]
+
+
+@pytest.fixture(scope="module")
+def events():
+    return synthetic_events(rounds=2, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture()
+def exporter():
+    with PrometheusExporter(MODEL, port=0) as exp:
+        yield exp
+
+
+def feed(exporter: PrometheusExporter, events) -> None:
+    for e in events:
+        exporter.put(e)
+    assert exporter.flush()
+
+
+def test_every_required_metric_has_vllm_type_labels_and_buckets(exporter, events):
+    feed(exporter, events)
+    families = scrape(exporter.url)
+    for name, (kind, extra, buckets) in REQUIRED.items():
+        assert name in families, name
+        family = families[name]
+        assert family.type == kind, name
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == {"model_name", "engine"} | extra, (name, sample.labels)
+            assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0"
+        if buckets is not None:
+            series = [s for s in family.samples if s.name.endswith("_bucket")]
+            first = {k: v for k, v in series[0].labels.items() if k != "le"}
+            les = [s.labels["le"] for s in series if {k: v for k, v in s.labels.items() if k != "le"} == first]
+            assert [float(le) for le in les[:-1]] == [float(b) for b in buckets], name
+            assert les[-1] == "+Inf"
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples if s.name.endswith("_total")}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}
+
+
+def test_series_exist_before_any_event(exporter):
+    families = scrape(exporter.url)
+    assert value(families, "vllm:num_requests_running") == 0
+    assert value(families, "vllm:request_success_total", finished_reason="error") == 0
+    assert value(families, "glassbox:dropped_events_total", consumer="prometheus") == 0
+
+
+def test_totals_agree_with_the_event_stream(exporter, events):
+    feed(exporter, events)
+    fam = scrape(exporter.url)
+    kinds = Counter(e.kind for e in events)
+    finished = [e for e in events if e.kind == "request_finished"]
+    hits = [e for e in events if e.kind == "prefix_hit"]
+    replays = [e for e in events if e.kind == "cudagraph_replay"]
+    steps = [e for e in events if e.kind == "step"]
+
+    assert value(fam, "vllm:generation_tokens_total") == sum(len(e.token_ids) for e in events if e.kind == "tokens")
+    assert value(fam, "vllm:generation_tokens_total") == sum(e.output_tokens for e in finished)
+    started = {e.request_id for e in events if e.kind == "first_token"}
+    assert value(fam, "vllm:prompt_tokens_total") == sum(e.prompt_tokens for e in finished if e.request_id in started)
+    for reason, count in Counter(e.reason for e in finished).items():
+        assert value(fam, "vllm:request_success_total", finished_reason=reason) == count
+    assert value(fam, "vllm:prefix_cache_hits_total") == sum(e.hit_tokens for e in hits) > 0
+    assert value(fam, "vllm:prefix_cache_queries_total") == sum(e.query_tokens for e in hits)
+    assert value(fam, "vllm:num_preemptions_total") == kinds["preempt"] > 0
+    assert value(fam, "vllm:request_num_preemptions_sum") == kinds["preempt"]
+    assert value(fam, "vllm:e2e_request_latency_seconds_count") == len(finished)
+    assert value(fam, "vllm:time_to_first_token_seconds_count") == kinds["first_token"]
+    assert value(fam, "vllm:inter_token_latency_seconds_count") == (
+        sum(e.output_tokens for e in finished) - kinds["first_token"]
+    )
+    assert value(fam, "vllm:iteration_tokens_total_count") == len(steps)
+    assert value(fam, "vllm:iteration_tokens_total_sum") == sum(e.num_prefill_tokens + e.num_decode_tokens for e in steps)
+    assert value(fam, "glassbox:rejected_requests_total") == kinds["request_rejected"] > 0
+    assert value(fam, "glassbox:block_evictions_total") == kinds["block_evict"] > 0
+    assert value(fam, "glassbox:blocks_stored_total") == sum(len(e.block_ids) for e in events if e.kind == "block_stored")
+    assert value(fam, "glassbox:prefill_chunks_total") == sum(sum(e.chunked) for e in events if e.kind == "schedule") > 0
+    assert value(fam, "glassbox:cudagraph_replays_total") == len(replays) > 0
+    assert value(fam, "glassbox:cudagraph_padded_slots_total") == sum(e.padded_batch_size - e.batch_size for e in replays)
+    for phase in ("prefill", "decode"):
+        assert value(fam, "glassbox:steps_total", phase=phase) == sum(e.phase == phase for e in steps)
+    info = [s for s in fam["vllm:cache_config_info"].samples]
+    assert len(info) == 1 and info[0].value == 1
+    assert info[0].labels["block_size"] == "16" and info[0].labels["num_gpu_blocks"] == "16"
+    # The stream ends idle: the gauges must say so even though no schedule event follows the last finish.
+    assert value(fam, "vllm:num_requests_running") == 0
+    assert value(fam, "vllm:num_requests_waiting") == 0
+    assert value(fam, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_intervals_follow_vllm_definitions(exporter, events):
+    feed(exporter, events)
+    fam = scrape(exporter.url)
+    served = [e for e in events if e.kind == "request_finished" and e.first_token is not None]
+    assert value(fam, "vllm:request_queue_time_seconds_sum") == pytest.approx(
+        sum(e.first_scheduled - e.arrival for e in served)
+    )
+    assert value(fam, "vllm:request_prefill_time_seconds_sum") == pytest.approx(
+        sum(e.first_token - e.first_scheduled for e in served)
+    )
+    assert value(fam, "vllm:time_to_first_token_seconds_sum") == pytest.approx(sum(e.first_token - e.arrival for e in served))
+    last_token = {}
+    for e in events:
+        if e.kind == "tokens":
+            last_token.update(dict.fromkeys(e.request_ids, e.t))
+    assert value(fam, "vllm:request_decode_time_seconds_sum") == pytest.approx(
+        sum(last_token[e.request_id] - e.first_token for e in served)
+    )
+    assert value(fam, "vllm:request_inference_time_seconds_sum") == pytest.approx(
+        sum(last_token[e.request_id] - e.first_scheduled for e in served)
+    )
+    for name in ("queue", "prefill", "decode", "inference"):
+        assert value(fam, f"vllm:request_{name}_time_seconds_count") == len(served)
+
+
+def test_gauges_follow_schedule_events(exporter, events):
+    last_schedule = max(i for i, e in enumerate(events) if e.kind == "schedule" and e.running >= 3)
+    feed(exporter, events[: last_schedule + 1])
+    sched = events[last_schedule]
+    fam = scrape(exporter.url)
+    assert value(fam, "vllm:num_requests_running") == sched.running
+    assert value(fam, "vllm:num_requests_waiting") == sched.waiting
+    assert value(fam, "vllm:kv_cache_usage_perc") == pytest.approx(1 - sched.free_blocks / 16)
+
+
+def test_bus_feeds_the_exporter_off_the_engine_thread():
+    bus = EventBus()
+    with PrometheusExporter(MODEL) as exp:
+        exp.attach(bus)
+        for rid in range(3):
+            bus.emit(RequestArrived, request_id=rid, prompt_tokens=5, max_tokens=4, temperature=0.0, arrival=0.0)
+        assert exp.flush()
+        assert 'vllm:num_requests_waiting{engine="0",model_name="glassbox-test"} 3.0' in exp.exposition()
+    assert not bus.active
+
+
+def test_two_exporters_side_by_side(events):
+    with PrometheusExporter("a", port=0) as a, PrometheusExporter("b", port=0) as b:
+        assert a.port != b.port
+        feed(a, events)
+        fa, fb = scrape(a.url), scrape(b.url)
+        assert value(fa, "vllm:generation_tokens_total") > 0
+        assert value(fb, "vllm:generation_tokens_total") == 0
+        assert {s.labels["model_name"] for s in fb["vllm:num_requests_running"].samples} == {"b"}
+
+
+def test_busy_port_is_a_clear_error_and_close_frees_the_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port} is in use; pass --metrics-port with a free port"):
+            PrometheusExporter(MODEL, port=port)
+    exp = PrometheusExporter(MODEL, port=0)
+    port = exp.port
+    exp.close()
+    exp.close()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
+
+
+def test_dashboard_reads_only_exported_metrics(exporter, events):
+    feed(exporter, events)
+    exposed = set()
+    for family in scrape(exporter.url).values():
+        exposed |= {s.name for s in family.samples} | {family.name}
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 25
+    used = set().union(*(metric_names(expr) for _, expr in exprs))
+    assert used - exposed == set()
+    for title, expr in exprs:
+        assert '{model_name="$model_name"}' in expr, title
+    # Every required family is on the dashboard, but for request-shape details nobody graphs.
+    assert set(REQUIRED) - {_family(n) for n in used} == {
+        "vllm:request_params_n",
+        "vllm:request_params_max_tokens",
+        "vllm:request_prefill_kv_computed_tokens",
+        "vllm:prompt_tokens_cached",
+    }
+
+
+def _family(sample_name: str) -> str:
+    for suffix in ("_bucket", "_sum", "_count"):
+        if sample_name.removesuffix(suffix) in REQUIRED:
+            return sample_name.removesuffix(suffix)
+    return sample_name if sample_name in REQUIRED else sample_name.removesuffix("_total")
+
+
+def test_1_2_5_buckets_match_vllm():
+    assert build_1_2_5_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    assert build_1_2_5_buckets(5000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+
+
+def test_names_keep_their_colons_whatever_the_scraper_accepts(exporter):
+    # Prometheus asks for OpenMetrics first; prometheus_client 0.26 would escape the colons there.
+    accept = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    request = urllib.request.Request(exporter.url, headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        body = response.read().decode()
+    assert '\nvllm:num_requests_running{engine="0",model_name="glassbox-test"} 0.0\n' in body
+    assert "vllm_" not in body and "glassbox_" not in body

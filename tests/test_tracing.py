@@ -1,0 +1,163 @@
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from engine.events import RequestFinished
+from telemetry.tracing import RequestTracer, validate_endpoint
+from tests.synthetic_events import synthetic_events
+
+
+EVENTS = synthetic_events()
+STARTED = next(e for e in EVENTS if e.kind == "engine_started")
+
+
+def epoch_ns(t: float) -> int:
+    return int(STARTED.wall_time * 1e9) + int((t - STARTED.t) * 1e9)
+
+
+@pytest.fixture(scope="module")
+def events():
+    return EVENTS
+
+
+@pytest.fixture(scope="module")
+def spans(events):
+    memory = InMemorySpanExporter()
+    with RequestTracer(span_exporter=memory) as tracer:
+        for e in events:
+            tracer.put(e)
+        assert tracer.flush()
+        assert trace.get_tracer_provider() is not tracer.provider
+    return {span.attributes["gen_ai.request.id"]: span for span in memory.get_finished_spans()}
+
+
+def test_one_server_span_per_request_backdated_to_arrival(events, spans):
+    finished = {str(e.request_id): e for e in events if isinstance(e, RequestFinished)}
+    assert spans.keys() == finished.keys()
+    for rid, span in spans.items():
+        done = finished[rid]
+        assert span.name == "llm_request" and span.kind == SpanKind.SERVER
+        assert span.start_time == epoch_ns(done.arrival)
+        assert span.end_time == epoch_ns(done.finished)
+        assert span.resource.attributes["service.name"] == "glassbox"
+
+
+def test_span_attributes_follow_vllm(events, spans):
+    arrived = {e.request_id: e for e in events if e.kind == "request_arrived"}
+    for e in events:
+        if not isinstance(e, RequestFinished) or e.first_token is None:
+            continue
+        a = spans[str(e.request_id)].attributes
+        assert a["gen_ai.usage.prompt_tokens"] == e.prompt_tokens
+        assert a["gen_ai.usage.completion_tokens"] == e.output_tokens
+        assert a["gen_ai.request.max_tokens"] == arrived[e.request_id].max_tokens
+        assert a["gen_ai.request.temperature"] == arrived[e.request_id].temperature
+        assert a["gen_ai.response.finish_reasons"] == (e.reason,)
+        assert a["gen_ai.request.model"] == "synthetic-qwen3"
+        assert a["gen_ai.latency.time_to_first_token"] == pytest.approx(e.first_token - e.arrival)
+        assert a["gen_ai.latency.e2e"] == pytest.approx(e.finished - e.arrival)
+        assert a["gen_ai.latency.time_in_queue"] == pytest.approx(e.first_scheduled - e.arrival)
+        assert a["gen_ai.latency.time_in_model_prefill"] == pytest.approx(e.first_token - e.first_scheduled)
+        assert 0 < a["gen_ai.latency.time_in_model_decode"] < a["gen_ai.latency.time_in_model_inference"]
+    aborted = [s for s in spans.values() if s.attributes["gen_ai.response.finish_reasons"] == ("abort",)]
+    assert aborted and all("gen_ai.latency.time_to_first_token" not in s.attributes for s in aborted)
+    assert all(s.status.status_code != StatusCode.ERROR for s in spans.values())
+
+
+def test_span_events_mark_scheduling_preemption_and_first_token(events, spans):
+    preempted = {e.request_id for e in events if e.kind == "preempt"}
+    assert preempted
+    for rid, span in spans.items():
+        names = [ev.name for ev in span.events]
+        if span.attributes["gen_ai.response.finish_reasons"] == ("abort",):
+            assert names == []
+            continue
+        assert names[0] == "scheduled" and "first_token" in names
+        assert names.count("preempted") == span.attributes["glassbox.num_preemptions"]
+        assert ("preempted" in names) == (int(rid) in preempted)
+        times = [ev.timestamp for ev in span.events]
+        assert times == sorted(times) and span.start_time <= times[0] and times[-1] <= span.end_time
+    first = next(e for e in events if e.kind == "first_token")
+    stamped = [ev for ev in spans[str(first.request_id)].events if ev.name == "first_token"]
+    assert stamped[0].timestamp == epoch_ns(first.t)
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    requests: list[tuple[str, bytes]] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).requests.append((self.path, body))
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_otlp_http_export_reaches_a_collector(events, monkeypatch, via_env):
+    _Receiver.requests = []
+    server = HTTPServer(("127.0.0.1", 0), _Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}"
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "glassbox-otlp-test")
+        if via_env:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+            tracer = RequestTracer()
+        else:
+            tracer = RequestTracer(otlp_endpoint=endpoint)
+        with tracer:
+            for e in events:
+                tracer.put(e)
+            assert tracer.flush()
+    finally:
+        server.shutdown()
+        server.server_close()
+    spans, services = [], set()
+    for path, body in _Receiver.requests:
+        assert path == "/v1/traces"
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            services |= {a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"}
+            for scope_spans in resource_spans.scope_spans:
+                spans.extend(scope_spans.spans)
+    assert services == {"glassbox-otlp-test"}
+    assert {s.name for s in spans} == {"llm_request"}
+    assert len(spans) == sum(e.kind == "request_finished" for e in events)
+    attrs = {a.key: a.value for a in spans[0].attributes}
+    assert attrs["gen_ai.request.id"].string_value
+    assert attrs["gen_ai.usage.prompt_tokens"].int_value > 0
+
+
+def test_bad_endpoints_fail_up_front(monkeypatch):
+    with pytest.raises(ValueError) as err:
+        RequestTracer(otlp_endpoint="foo")
+    assert str(err.value) == (
+        "--otlp-endpoint must be an http(s) URL such as http://127.0.0.1:4318/v1/traces, got 'foo'"
+    )
+    with pytest.raises(ValueError, match="--otlp-endpoint must be an http"):
+        RequestTracer(otlp_endpoint="grpc://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "localhost:4318")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT must be an http"):
+        RequestTracer()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    with pytest.raises(ValueError, match="only OTLP over http/protobuf"):
+        RequestTracer()
+
+
+def test_endpoint_without_path_gets_the_traces_path():
+    assert validate_endpoint("http://collector:4318") == "http://collector:4318/v1/traces"
+    assert validate_endpoint("https://collector/custom") == "https://collector/custom"
