@@ -292,15 +292,17 @@ def test_store_kvcache_cpu_empty_and_all_skipped() -> None:
 _GPU_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _gpu_cases(groups: list[int]) -> list[tuple[torch.dtype, int, int, int]]:
+    """bf16 over every block size, GQA group and head_dim; fp16 over a slice (block 16, head_dim 128)."""
+    return [(dtype, block_size, group, head_dim)
+            for dtype in _GPU_DTYPES for block_size in (16, 64, 256) for group in groups for head_dim in (64, 128)
+            if dtype == torch.bfloat16 or (block_size == 16 and head_dim == 128)]
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
-@pytest.mark.parametrize("dtype", _GPU_DTYPES)
-@pytest.mark.parametrize("block_size", [16, 64, 256])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", _gpu_cases([1, 2, 4, 8]))
 def test_decode_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
-    if dtype == torch.float16 and (block_size != 16 or head_dim != 128):
-        pytest.skip("fp16 sweeps a slice; bf16 sweeps everything")
     num_kv_heads = 16 // group if group < 16 else 1
     rng = random.Random(block_size + group + head_dim)
     # Small batches (split-KV path), long contexts, a big batch (one split), padding rows.
@@ -317,13 +319,8 @@ def test_decode_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: i
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
-@pytest.mark.parametrize("dtype", _GPU_DTYPES)
-@pytest.mark.parametrize("block_size", [16, 64, 256])
-@pytest.mark.parametrize("group", [1, 2, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", _gpu_cases([1, 2, 8]))
 def test_prefill_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
-    if dtype == torch.float16 and (block_size != 16 or head_dim != 128):
-        pytest.skip("fp16 sweeps a slice; bf16 sweeps everything")
     num_kv_heads = 2
     rng = random.Random(block_size * group + head_dim)
     q_lens = [*_ragged(rng, 5, 1, 700), 1, 0]
