@@ -1,0 +1,125 @@
+"""Lab: CUDA-graph decode. What does replaying a captured graph save over launching every kernel?
+
+The same greedy workload runs twice on fresh engines, once eager (``--enforce-eager``) and once
+with decode graphs. Requests finish one after another, so the decode batch walks down through many
+sizes and each replay pads it to the next captured size. From the recordings: the replay events,
+the padding each captured size costs, and identical tokens in both arms; tokens per second and host
+time per decode step go in the tables (timings never decide the verdict).
+
+    python experiments/cuda_graphs.py [--preset qwen3-0.6b] [--quick]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # runnable as a script from a checkout
+
+import torch  # noqa: E402
+
+from engine.events import CudaGraphCapture, CudaGraphReplay, Step, Tokens  # noqa: E402
+from experiments.common import (  # noqa: E402
+    Check, Recording, build_engine, make_parser, new_figure, parse_args, random_prompt, report, request,
+    run_recorded,
+)
+
+
+def token_stream(rec: Recording) -> dict[int, list[int]]:
+    """Tokens per request, keyed by the request's position in the workload (ids differ between runs)."""
+    order = {rid: i for i, rid in enumerate(rec.tags)}
+    tokens: dict[int, list[int]] = defaultdict(list)
+    for e in rec.events:
+        if type(e) is Tokens:
+            for rid, tok in zip(e.request_ids, e.token_ids):
+                tokens[order[rid]].append(tok)
+    return dict(tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser("cuda_graphs", __doc__, preset="qwen3-0.6b", max_num_seqs=64, max_model_len=2048)
+    parser.add_argument("--num-requests", type=int, default=64, help="default: %(default)s")
+    args = parse_args(parser, argv)
+    if not torch.cuda.is_available() or args.device == "cpu":
+        print("cuda_graphs.py needs a CUDA device: CUDA graphs only exist on the GPU.")
+        return 2
+    n = min(args.num_requests, args.max_num_seqs)
+    rng = random.Random(args.seed)
+    arms: dict[str, Recording] = {}
+    wall: dict[str, float] = {}
+    for arm, eager in (("eager", True), ("graphs", False)):
+        llm = build_engine(args, enforce_eager=eager)
+        vocab = llm.model_config.vocab_size
+        rng.seed(args.seed)
+        # Output lengths 8, 16, ..., so the decode batch steps down by one every 8 steps.
+        workload = [request(random_prompt(rng, rng.randint(32, 256), vocab), 8 * (i + 1), tag=f"r{i}") for i in range(n)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        arms[arm] = run_recorded(llm, workload, args.out, arm)
+        wall[arm] = time.perf_counter() - start
+        del llm
+        torch.cuda.empty_cache()
+
+    capture = next(e for e in arms["graphs"].events if type(e) is CudaGraphCapture)
+    sizes = capture.batch_sizes
+    replays = [e for e in arms["graphs"].events if type(e) is CudaGraphReplay]
+    decode = {arm: [e for e in rec.events if type(e) is Step and e.phase == "decode"] for arm, rec in arms.items()}
+    tokens = sum(len(t) for t in token_stream(arms["eager"]).values())
+
+    speed = []
+    for arm in arms:
+        steps = decode[arm]
+        speed.append({
+            "arm": arm,
+            "tok/s": tokens / wall[arm],
+            "decode steps": len(steps),
+            "host ms/step": 1e3 * sum(s.schedule_s + s.prepare_s + s.forward_s + s.postprocess_s for s in steps) / len(steps),
+            "launch ms/step": 1e3 * sum(s.forward_s for s in steps) / len(steps),
+            "step ms": 1e3 * sum(s.duration_s for s in steps) / len(steps),
+        })
+    padding = []
+    by_size: dict[int, list[CudaGraphReplay]] = defaultdict(list)
+    for r in replays:
+        by_size[r.padded_batch_size].append(r)
+    for size in sizes:
+        used = by_size.get(size, [])
+        slots = size * len(used)
+        padded = sum(r.padded_batch_size - r.batch_size for r in used)
+        padding.append({"captured size": size, "replays": len(used), "padded slots": padded,
+                        "waste": padded / slots if slots else 0.0})
+
+    def smallest_fit(bs: int) -> int:
+        return next(s for s in sizes if s >= bs)
+
+    checks = [
+        Check("every graph-arm decode step replays a graph", f"{len(replays)} replays for {len(decode['graphs'])} decode steps",
+              len(replays) == len(decode["graphs"])),
+        Check("each replay pads to the smallest captured size that fits",
+              f"{sum(r.padded_batch_size == smallest_fit(r.batch_size) for r in replays)}/{len(replays)}",
+              all(r.padded_batch_size == smallest_fit(r.batch_size) for r in replays)),
+        Check("the eager arm replays nothing", f"{sum(type(e) is CudaGraphReplay for e in arms['eager'].events)} replays",
+              not any(type(e) is CudaGraphReplay for e in arms["eager"].events)),
+        Check("both arms produce the same greedy tokens", "identical" if token_stream(arms["eager"]) == token_stream(arms["graphs"])
+              else "different", token_stream(arms["eager"]) == token_stream(arms["graphs"])),
+    ]
+
+    fig, axes = new_figure(1, 2, "CUDA graphs: eager launches vs graph replay")
+    for arm in arms:
+        steps = decode[arm]
+        axes[0][0].plot([s.num_seqs for s in steps], [1e3 * s.duration_s for s in steps], ".", label=arm, alpha=0.6)
+    axes[0][0].set_xlabel("decode batch size")
+    axes[0][0].set_ylabel("step time (ms)")
+    axes[0][0].legend()
+    axes[0][1].bar([str(p["captured size"]) for p in padding], [p["padded slots"] for p in padding])
+    axes[0][1].set_xlabel("captured batch size")
+    axes[0][1].set_ylabel("padded slots over the run")
+    return report(args, {"speed (timings: not part of the verdict)": speed, "padding per captured size": padding},
+                  checks, list(arms.values()), fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
