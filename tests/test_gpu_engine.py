@@ -13,6 +13,7 @@ float32 twin at 2-15% of positions.
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -68,6 +69,7 @@ def test_bf16_greedy_tokens_match_transformers(preset, block_size):
     # Again, now through prefix-cache hits.
     again = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     counts = check_against_reference(model_dir, prompts + prompts, outputs + again)
     assert counts["exempt"] <= 0.05 * counts["checked"]
@@ -94,6 +96,7 @@ def test_cuda_graphs_and_eager_give_the_same_greedy_tokens():
             steps = [e for e in events if e.kind == "step" and e.phase == "decode"]
             assert all(s.padded_batch_size is not None and s.padded_batch_size >= s.num_seqs for s in steps)
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert results[False] == results[True]
     assert replays[False] and not replays[True]
@@ -107,6 +110,7 @@ def test_kv_sizing_fills_the_requested_share_and_errors_clearly():
         llm = LLM(str(model_dir), gpu_memory_utilization=share, enforce_eager=True)
         blocks[share] = llm.config.num_kvcache_blocks
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert blocks[0.4] > 1.5 * blocks[0.2]
     with pytest.raises(RuntimeError, match="gpu_memory_utilization"):

@@ -1,0 +1,317 @@
+"""The dashboard app: keys, replay controls, panels, an event flood, SVG snapshots, a live engine.
+
+Snapshots replay ``tests/data/dashboard.jsonl.gz`` (see ``make_dashboard_recording.py`` beside it)
+through the real replay path with no clock: every time on screen comes from the recording.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from textual.widgets import DataTable, RichLog
+
+from engine.events import Event
+from engine.options import build_llm
+from telemetry.recorder import read_recording
+from tests.synthetic_events import SyntheticEngine, run_workload
+from tui.__main__ import make_parser
+from tui.app import MAX_EVENTS_PER_TICK, SEEK_STEPS, DashboardApp
+from tui.sources import EngineError, LiveSource, ReplaySource, ScriptedSource
+from tui.state import DashboardState
+from tui.widgets.help import HelpScreen
+
+RECORDING = Path(__file__).parent / "data" / "dashboard.jsonl.gz"
+END = 10**9
+
+
+def replay_app(step: int = END) -> DashboardApp:
+    source = ReplaySource(RECORDING, autoplay=False)
+    source.replayer.seek(step)
+    return DashboardApp(source)
+
+
+def reduced(events: list[Event]) -> DashboardState:
+    state = DashboardState()
+    state.apply_all(events)
+    return state
+
+
+async def wait_for(pilot, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {condition}")
+        await pilot.pause(0.05)
+
+
+def run(coro) -> None:
+    asyncio.run(coro)
+
+
+# --- snapshots ------------------------------------------------------------------------------------
+
+async def _settle(pilot) -> None:
+    pilot.app.drain_all()
+    await pilot.pause()
+
+
+def test_snapshot_80x24(snap_compare):
+    assert snap_compare(replay_app(), terminal_size=(80, 24), run_before=_settle)
+
+
+def test_snapshot_200x50(snap_compare):
+    assert snap_compare(replay_app(), terminal_size=(200, 50), run_before=_settle)
+
+
+# --- replay controls ------------------------------------------------------------------------------
+
+def test_replay_step_seek_speed_and_pause():
+    _, events = read_recording(RECORDING)
+    events = list(events)
+
+    async def go():
+        app = replay_app(step=40)
+        async with app.run_test(size=(100, 30)) as pilot:
+            source = app.source
+            await pilot.pause()
+            assert source.paused and app.state.last_step == 39
+            await pilot.press("n")
+            await pilot.pause()
+            assert app.state.last_step == 40 and source.replayer.position == 41
+            await pilot.press("right_square_bracket")
+            await pilot.pause()
+            assert source.replayer.position == 41 + SEEK_STEPS
+            await pilot.press("left_square_bracket", "left_square_bracket")  # back past the start: a reset
+            await pilot.pause()
+            assert source.replayer.position == 0 and app.state.events_seen == 0
+            await pilot.press("n", "n", "n", "n")  # step 0 (start-up), then steps 1 to 3
+            await pilot.pause()
+            expected = reduced([e for e in events if e.step <= 3])
+            assert (app.state.last_step, app.state.refcounts, len(app.state.timeline)) == (
+                3, expected.refcounts, len(expected.timeline))
+            await pilot.press("plus", "plus")
+            assert source.speed == 4.0
+            await pilot.press("minus")
+            assert source.speed == 2.0
+            await pilot.press("space")  # play at 2x
+            assert not source.paused
+            await wait_for(pilot, lambda: app.state.last_step > 4, timeout=10)
+            await pilot.press("space")
+            assert source.paused
+            position = source.replayer.position
+            await pilot.pause(0.3)
+            assert source.replayer.position == position
+            # Keys a recording cannot honour are not offered.
+            assert app.check_action("burst", ()) is False and app.check_action("seek_back", ()) is True
+            await pilot.press("b", "w")
+            await pilot.pause()
+
+    run(go())
+
+
+def test_panels_show_the_recording():
+    _, events = read_recording(RECORDING)
+    expected = reduced(list(events))
+
+    async def go():
+        app = replay_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            app.drain_all()
+            await pilot.pause()
+            table = app.query_one(DataTable)
+            assert table.row_count == len(expected.table_rows())
+            assert "waiting 56" in str(app.query_one("#requests").border_title)
+            assert app.state.num_evictions == expected.num_evictions > 0
+            feed = [line.text for line in app.query_one(RichLog).lines]
+            assert any("evict" in line for line in feed)
+
+    run(go())
+
+
+def test_filter_keeps_only_matching_events():
+    async def go():
+        app = replay_app(step=120)  # the recording preempts at step 100
+        async with app.run_test(size=(100, 30)) as pilot:
+            app.drain_all()
+            await pilot.press("slash", *"preempt", "enter")
+            await pilot.pause()
+            lines = [line.text for line in app.query_one(RichLog).lines]
+            assert lines and all("preempt" in line for line in lines)
+            assert app.query_one("#feed").border_subtitle == "filter: preempt"
+            # While the filter has focus, keys type into it instead of driving the engine.
+            await pilot.press("slash", "space")
+            assert app.source.paused  # the space went into the input, not to pause/resume
+            await pilot.press("escape")
+            await pilot.pause()
+            lines = [line.text for line in app.query_one(RichLog).lines]
+            assert any("evict" in line for line in lines)
+
+    run(go())
+
+
+def test_help_opens_and_any_key_closes_it_without_quitting():
+    async def go():
+        app = replay_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("q")
+            await pilot.pause()
+            assert not isinstance(app.screen, HelpScreen) and app.is_running
+            await pilot.press("q")
+            await pilot.pause()
+            assert not app.is_running
+
+    run(go())
+
+
+def test_engine_error_is_shown_not_raised():
+    _, events = read_recording(RECORDING)
+    source = ScriptedSource(list(events)[:50])
+    source.buffer.put(EngineError("RuntimeError: CUDA error: out of memory"))
+
+    async def go():
+        app = DashboardApp(source)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            banner = app.query_one("#error-banner")
+            assert banner.display and "out of memory" in str(banner.render())
+            assert app.state.error == "RuntimeError: CUDA error: out of memory"
+
+    run(go())
+
+
+def test_engine_that_fails_to_start_is_shown_in_the_ui():
+    def broken():
+        raise FileNotFoundError("no config.json in /nowhere")
+
+    async def go():
+        app = DashboardApp(LiveSource(broken, "mixed"), clock=time.perf_counter)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.state.error is not None, timeout=10)
+            await pilot.pause()
+            assert "FileNotFoundError: no config.json in /nowhere" in str(app.query_one("#error-banner").render())
+            assert "failed" in app.source.status()
+
+    run(go())
+
+
+# --- flood ----------------------------------------------------------------------------------------
+
+def _shifted(event: Event, k: int, dt: float, dstep: int, did: int) -> Event:
+    """``event`` as if it happened in the k-th repetition of its stream: later, other request ids."""
+    changes: dict = {"t": event.t + k * dt, "step": event.step + k * dstep}
+    for name in ("request_id", "for_request_id"):
+        if hasattr(event, name):
+            changes[name] = getattr(event, name) + k * did
+    if hasattr(event, "request_ids"):
+        changes["request_ids"] = tuple(r + k * did for r in event.request_ids)
+    for name in ("arrival", "first_scheduled", "last_scheduled", "first_token", "finished"):
+        if getattr(event, name, None) is not None:
+            changes[name] = getattr(event, name) + k * dt
+    return dataclasses.replace(event, **changes)
+
+
+class TimedApp(DashboardApp):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tick_seconds: list[float] = []
+
+    def tick(self) -> None:
+        start = time.perf_counter()
+        super().tick()
+        self.tick_seconds.append(time.perf_counter() - start)
+
+
+def test_flood_of_100k_events_drains_in_bounded_ticks():
+    engine = SyntheticEngine(num_blocks=32, max_num_seqs=6)
+    base = engine.events + run_workload(engine, rounds=20)
+    startup, body = base[:2], base[2:]
+    dt, dstep, did = body[-1].t - startup[0].t + 1.0, body[-1].step + 1, engine.next_id
+    events = list(startup)
+    k = 0
+    while len(events) < 100_000:
+        events += [_shifted(e, k, dt, dstep, did) for e in body]
+        k += 1
+    events = events[:100_000]
+    source = ScriptedSource(events)
+
+    async def go():
+        app = TimedApp(source)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: not len(source.buffer), timeout=60)
+            await pilot.pause()
+        return app
+
+    app = asyncio.run(go())
+    assert app.max_drain == MAX_EVENTS_PER_TICK  # a flood is taken in slices, never at once
+    assert len(app.tick_seconds) >= 100_000 // MAX_EVENTS_PER_TICK
+    assert max(app.tick_seconds) < 2.0, f"slowest tick {max(app.tick_seconds):.2f}s"
+    expected = reduced(events)
+    state = app.state
+    assert (state.refcounts, state.cached) == (expected.refcounts, expected.cached)
+    assert state.events_seen == 100_000
+    assert (state.num_finished, state.num_evictions, state.num_preemptions, state.hit_tokens) == (
+        expected.num_finished, expected.num_evictions, expected.num_preemptions, expected.hit_tokens)
+    assert [e.text for e in state.feed] == [e.text for e in expected.feed]
+    assert [r.request_id for r in state.table_rows()] == [r.request_id for r in expected.table_rows()]
+
+
+# --- the live engine ------------------------------------------------------------------------------
+
+def test_live_engine_keys_pause_step_rate_workload_burst_and_quit(tiny_checkpoint):
+    args = make_parser().parse_args(["--model", str(tiny_checkpoint)])
+    source = LiveSource(lambda: build_llm(args), args.workload, seed=args.seed)
+    app = DashboardApp(source, clock=time.perf_counter)
+
+    async def go():
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: len(app.state.timeline) >= 3, timeout=60)
+            assert app.state.engine is not None and app.state.engine.num_blocks == 160
+            await pilot.press("space")
+            await wait_for(pilot, lambda: source.live.paused)
+            await pilot.pause(0.3)
+            steps = len(app.state.timeline)
+            await pilot.pause(0.3)
+            assert len(app.state.timeline) == steps  # paused means no steps
+            await pilot.press("n")
+            await wait_for(pilot, lambda: len(app.state.timeline) == steps + 1)
+            await pilot.pause(0.3)
+            assert len(app.state.timeline) == steps + 1  # exactly one
+            await pilot.press("plus")
+            await wait_for(pilot, lambda: source.live.rate_scale == 1.5)
+            await pilot.press("minus", "minus")
+            await wait_for(pilot, lambda: source.live.rate_scale == pytest.approx(1 / 1.5))
+            await pilot.press("w")
+            assert source.workload_name == "bench"
+            submitted = source.live.num_submitted
+            await pilot.press("space", "b", "s")
+            await wait_for(pilot, lambda: source.live.num_submitted >= submitted + 28)
+            assert app.query_one(DataTable).row_count > 0
+            await pilot.press("q")
+        assert not app.is_running
+
+    run(go())
+    quit_at = time.monotonic()
+    while source.live.running and time.monotonic() - quit_at < 1.0:
+        time.sleep(0.02)
+    assert not source.live.running, "the engine thread outlived the app by more than a second"
+
+
+def test_command_line():
+    parser = make_parser()
+    help_text = parser.format_help()
+    for option in ("--model", "--preset", "--workload", "--rate", "--metrics-port", "--otlp-endpoint", "--record",
+                   "--replay", "--block-size", "--num-blocks"):
+        assert option in help_text
+    args = parser.parse_args([])
+    assert (args.preset, args.workload, args.block_size, args.num_blocks) == ("tiny", "mixed", 16, 160)
+    with pytest.raises(SystemExit):
+        from tui.__main__ import main
+
+        main(["--replay", str(RECORDING), "--record", "x.jsonl"])

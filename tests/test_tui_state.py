@@ -1,0 +1,199 @@
+"""The dashboard's reducer: events in, state out. No Textual here."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.events import (
+    BlockAlloc,
+    BlockEvict,
+    BlockFree,
+    BlockStored,
+    CudaGraphReplay,
+    EngineStarted,
+    FirstToken,
+    Preempt,
+    PrefixHit,
+    RequestArrived,
+    RequestFinished,
+    RequestRejected,
+    Schedule,
+    Step,
+    Tokens,
+)
+from tests.synthetic_events import SyntheticEngine, run_workload
+from tui.state import FINISHED_KEPT, BlockState, DashboardState, percentile
+
+
+def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
+    return EngineStarted(t=t, step=0, model="/ckpt/tiny", device="cpu", dtype="float32", attention_backend="torch",
+                         block_size=16, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64,
+                         max_model_len=256, enable_prefix_caching=True, enforce_eager=True,
+                         tensor_parallel_size=1, wall_time=0.0)
+
+
+def step(n: int, t: float, phase: str = "decode", prefill: int = 0, decode: int = 1) -> Step:
+    return Step(t=t, step=n, phase=phase, num_seqs=max(1, decode), num_prefill_tokens=prefill,
+                num_decode_tokens=decode, duration_s=0.01, schedule_s=0, prepare_s=0, forward_s=0, sample_s=0,
+                postprocess_s=0, padded_batch_size=None)
+
+
+def fed(*events) -> DashboardState:
+    state = DashboardState()
+    state.apply_all([started(), *events])
+    return state
+
+
+def assert_blocks_match(state: DashboardState, engine: SyntheticEngine) -> None:
+    cached = set(engine.hash_to_block.values())
+    assert state.refcounts == engine.ref
+    assert state.cached == [b in cached for b in range(engine.num_blocks)]
+
+
+def test_block_states_track_the_engine_exactly_step_by_step():
+    engine = SyntheticEngine(num_blocks=12, seed=3)
+    state = DashboardState()
+    state.apply_all(engine.events)
+    system = list(range(40))
+    for i in range(6):
+        engine.add_request(system + [100 + i] * (5 + i), max_tokens=60 + 10 * i)
+    engine.add_request(list(range(200, 300)), max_tokens=8)
+    seen = len(engine.events)
+    while engine.waiting or engine.running:
+        engine.step()
+        state.apply_all(engine.events[seen:])
+        seen = len(engine.events)
+        assert_blocks_match(state, engine)
+    kinds = {e.kind for e in engine.events}
+    assert {"block_evict", "preempt", "prefix_hit", "block_stored"} <= kinds  # the walk went everywhere
+
+
+def test_whole_synthetic_workload_ends_consistent():
+    engine = SyntheticEngine(num_blocks=16, seed=1)
+    events = run_workload(engine, rounds=3)
+    state = DashboardState()
+    state.apply_all(engine.events[: len(engine.events) - len(events)] + events)
+    assert_blocks_match(state, engine)
+    assert state.waiting == state.running == 0
+    assert state.num_rejected == 3
+    assert state.num_preemptions == sum(e.kind == "preempt" for e in events)
+    assert state.num_evictions == sum(e.kind == "block_evict" for e in events)
+    assert state.hit_tokens == sum(e.hit_tokens for e in events if e.kind == "prefix_hit")
+    assert state.num_graph_replays == sum(e.kind == "cudagraph_replay" for e in events)
+    assert len(state.timeline) == sum(e.kind == "step" for e in events)
+    assert len(state.ttfts) == sum(e.kind == "first_token" for e in events)
+
+
+def test_block_life_cycle_used_cached_evicted():
+    state = fed(BlockAlloc(t=101, step=1, request_id=1, block_ids=(0, 1), refcounts=(1, 1)))
+    assert [state.block_state(b) for b in (0, 1, 2)] == [BlockState.USED, BlockState.USED, BlockState.FREE]
+    state.apply(BlockStored(t=101, step=1, request_id=1, block_ids=(0,), hashes=(11,), parent_hash=-1))
+    state.apply(BlockAlloc(t=102, step=2, request_id=2, block_ids=(0, 2), refcounts=(2, 1)))
+    assert state.block_state(0) == BlockState.SHARED
+    state.apply(BlockFree(t=103, step=3, request_id=1, block_ids=(1, 0), refcounts=(0, 1)))
+    state.apply(BlockFree(t=103, step=3, request_id=2, block_ids=(2, 0), refcounts=(0, 0)))
+    assert state.block_state(0) == BlockState.CACHED  # free, but a prefix hit can still revive it
+    assert state.block_state(1) == BlockState.FREE
+    assert state.kv_usage == 0
+    state.apply(BlockEvict(t=104, step=4, block_id=0, hash=11))
+    state.apply(BlockAlloc(t=104, step=4, request_id=3, block_ids=(0,), refcounts=(1,)))
+    state.apply(step(4, 104.0))
+    assert state.block_state(0) == BlockState.USED and state.recently_evicted(0)
+    assert state.block_counts() == {BlockState.FREE: 7, BlockState.CACHED: 0, BlockState.USED: 1, BlockState.SHARED: 0}
+    assert state.feed[-1].category == "evict" and "evict 1 cached blk: 0" in state.feed[-1].text
+    state.apply(step(20, 105.0))
+    assert not state.recently_evicted(0)
+
+
+def test_request_lifecycle_in_the_table():
+    state = fed(
+        RequestArrived(t=101, step=0, request_id=7, prompt_tokens=40, max_tokens=5, temperature=0.8, arrival=101.0),
+        BlockAlloc(t=102, step=1, request_id=7, block_ids=(0, 1, 2), refcounts=(1, 1, 1)),
+        PrefixHit(t=102, step=1, request_id=7, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
+        Schedule(t=102, step=1, phase="prefill", request_ids=(7,), num_tokens=(8,), chunked=(False,), waiting=0,
+                 running=1, free_blocks=5),
+    )
+    row = state.requests[7]
+    assert (row.state, row.cached_tokens, state.waiting, state.running) == ("prefill", 32, 0, 1)
+    assert state.hit_rate == pytest.approx(32 / 40)
+    state.apply_all([Tokens(t=102.5, step=1, request_ids=(7,), token_ids=(3,)),
+                     FirstToken(t=102.5, step=1, request_id=7),
+                     Tokens(t=102.75, step=2, request_ids=(7,), token_ids=(4,)),
+                     Preempt(t=103, step=3, request_id=7, num_tokens=42, freed_blocks=3, for_request_id=9)])
+    assert (row.state, row.generated, row.preemptions, row.ttft) == ("preempted", 2, 1, 1.5)
+    assert list(state.itls) == [0.25]
+    assert state.waiting == 1 and "preempt #7 (3 blk freed) so #9 can decode" in state.feed[-1].text
+    # Re-admission after the preemption is a prefix query too, but the row keeps its first hit.
+    state.apply(PrefixHit(t=104, step=4, request_id=7, query_tokens=42, hit_tokens=0, hit_block_ids=()))
+    assert row.cached_tokens == 32
+    state.apply(RequestFinished(t=105, step=5, request_id=7, reason="length", prompt_tokens=40, cached_tokens=32,
+                                output_tokens=5, num_preemptions=1, arrival=101.0, first_scheduled=102.0,
+                                last_scheduled=104.0, first_token=102.5, finished=105.0))
+    assert (row.state, row.finished, row.generated, state.num_finished) == ("length", True, 5, 1)
+    assert state.table_rows() == [row]
+
+
+def test_finished_rows_are_bounded_and_newest_first():
+    events = []
+    for rid in range(FINISHED_KEPT + 5):
+        events.append(RequestArrived(t=101, step=0, request_id=rid, prompt_tokens=4, max_tokens=1, temperature=0,
+                                     arrival=101.0))
+    events.append(RequestArrived(t=101, step=0, request_id=99, prompt_tokens=4, max_tokens=1, temperature=0,
+                                 arrival=101.0))
+    for rid in range(FINISHED_KEPT + 5):
+        events.append(RequestFinished(t=102, step=1, request_id=rid, reason="stop", prompt_tokens=4, cached_tokens=0,
+                                      output_tokens=1, num_preemptions=0, arrival=101.0, first_scheduled=101.5,
+                                      last_scheduled=101.5, first_token=102.0, finished=102.0))
+    state = fed(*events)
+    rows = state.table_rows()
+    assert rows[0].request_id == 99 and not rows[0].finished  # live requests first
+    assert [r.request_id for r in rows[1:]] == list(range(FINISHED_KEPT + 4, 4, -1))
+    assert len(state.requests) == FINISHED_KEPT + 1
+
+
+def test_timeline_marks_chunks_preemptions_and_graph_replays():
+    state = fed(
+        Schedule(t=101, step=1, phase="prefill", request_ids=(1, 2), num_tokens=(48, 16), chunked=(True, False),
+                 waiting=1, running=1, free_blocks=3),
+        step(1, 101.1, "prefill", prefill=64, decode=0),
+        Preempt(t=102, step=2, request_id=2, num_tokens=20, freed_blocks=2, for_request_id=1),
+        CudaGraphReplay(t=102, step=2, batch_size=3, padded_batch_size=4),
+        step(2, 102.1, decode=3),
+    )
+    first, second = state.timeline
+    assert (first.phase, first.prefill_tokens, first.chunks, first.preemptions) == ("prefill", 64, 1, 0)
+    assert (second.preemptions, second.graph_replay, second.decode_tokens) == (1, True, 3)
+    assert state.num_chunks == 1 and state.num_graph_replays == 1
+
+
+def test_rates_and_history_come_from_event_times():
+    state = fed(*[step(i, 100.0 + 0.1 * i, decode=4) for i in range(1, 31)])  # 10 steps/s for 3 s
+    steps_per_s, prompt_tps, gen_tps = state.rates()
+    assert steps_per_s == pytest.approx(30 / 3.0)
+    assert prompt_tps == 0 and gen_tps == pytest.approx(40.0)
+    assert state.uptime() == pytest.approx(3.0)
+    assert state.uptime(now=110.0) == pytest.approx(10.0)
+    assert state.rates(now=200.0) == (0.0, 0.0, 0.0)  # idle for long: nothing in the window
+    # 0.5 s buckets: the closed ones hold 5 steps of 4 tokens each -> 40 tok/s.
+    assert list(state.decode_history)[1:] == [pytest.approx(40.0)] * (len(state.decode_history) - 1)
+
+
+def test_feed_lists_hits_rejections_and_errors_in_order():
+    state = fed(
+        PrefixHit(t=101, step=1, request_id=1, query_tokens=40, hit_tokens=0, hit_block_ids=()),
+        PrefixHit(t=101, step=1, request_id=2, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
+        RequestRejected(t=101, step=1, request_id=3, reason="prompt too long"),
+        Preempt(t=102, step=2, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=4),
+    )
+    state.set_error("RuntimeError: boom")
+    assert [e.category for e in state.feed] == ["hit", "reject", "preempt", "error"]  # misses stay out
+    assert "no block left for its own next token" in state.feed[2].text
+    assert [e.category for e in state.feed_after(state.feed[1].seq)] == ["preempt", "error"]
+    assert state.error == "RuntimeError: boom"
+
+
+def test_percentiles():
+    assert percentile([], 50) is None
+    values = sorted(float(i) for i in range(1, 101))
+    assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == (50.0, 90.0, 99.0)
+    assert percentile([3.0], 99) == 3.0

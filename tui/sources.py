@@ -1,0 +1,347 @@
+"""Where the dashboard's events come from: a live engine on a worker thread, or a recording.
+
+Either way events land in an ``EventBuffer`` that the UI drains on a timer. The producer only
+appends (a deque append is atomic under the GIL), so the engine never waits for the UI. Control
+markers (``Reset`` after a backward seek, ``EngineError``) travel through the same buffer so they
+stay in order with the events around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+from engine.events import Event
+from engine.workloads import WORKLOADS, Request, make_workload
+
+if TYPE_CHECKING:
+    from engine.live import LiveEngine
+    from engine.llm_engine import LLMEngine
+    from telemetry.event_queue import Consumer
+    from telemetry.recorder import Replayer
+
+BUFFER_CAPACITY = 1 << 20  # a full minute of the fastest engine; past this the UI counts drops
+RATE_STEP = 1.5
+RATE_LIMITS = (1 / 16, 16.0)
+SPEED_LIMITS = (1 / 8, 64.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """Forget everything seen so far (a replay seeked backwards and starts over)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError:
+    message: str
+
+
+Item = Union[Event, Reset, EngineError]
+
+
+class EventBuffer:
+    """Unbounded in practice, bounded in fact: past ``capacity`` items new ones are counted and dropped."""
+
+    def __init__(self, capacity: int = BUFFER_CAPACITY) -> None:
+        self.capacity = capacity
+        self.dropped = 0
+        self._items: deque[Item] = deque()
+
+    def put(self, item: Item) -> None:
+        if len(self._items) >= self.capacity:
+            self.dropped += 1
+            return
+        self._items.append(item)
+
+    def drain(self, limit: int) -> list[Item]:
+        """Up to ``limit`` items, oldest first; the rest wait for the next call."""
+        items = self._items
+        out = []
+        for _ in range(min(limit, len(items))):
+            out.append(items.popleft())
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Source:
+    """What the keys act on. Subclasses say which actions they support through ``supports``."""
+
+    mode = "none"
+
+    def __init__(self) -> None:
+        self.buffer = EventBuffer()
+        self.paused = False
+
+    def supports(self, action: str) -> bool:
+        return False
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 1.0) -> None:
+        pass
+
+    def toggle_pause(self) -> None:
+        self.paused = not self.paused
+
+    def step_once(self) -> None:
+        pass
+
+    def faster(self) -> None:
+        pass
+
+    def slower(self) -> None:
+        pass
+
+    def cycle_workload(self) -> str:
+        return ""
+
+    def burst(self) -> int:
+        return 0
+
+    def shared_burst(self) -> int:
+        return 0
+
+    def seek_by(self, steps: int) -> None:
+        pass
+
+    def status(self) -> str:
+        """One short line for the header: what is running and at what rate."""
+        return ""
+
+
+class ScriptedSource(Source):
+    """Events handed over up front (tests, or a recording already read): nothing runs."""
+
+    mode = "scripted"
+
+    def __init__(self, events: list[Event] | None = None) -> None:
+        super().__init__()
+        for event in events or ():
+            self.buffer.put(event)
+
+
+class _SwitchableWorkload:
+    """The live engine's workload iterator; ``w`` swaps the generator behind it without a restart.
+
+    A new workload's arrival times are shifted to start at the moment of the switch."""
+
+    def __init__(self, workload: Iterator[Request]) -> None:
+        self._current = workload
+        self._offset = 0.0
+        self._next: tuple[Iterator[Request], float] | None = None
+
+    def switch(self, workload: Iterator[Request], at: float) -> None:
+        self._next = (workload, at)  # picked up on the engine thread at its next arrival
+
+    def __iter__(self) -> _SwitchableWorkload:
+        return self
+
+    def __next__(self) -> Request:
+        if self._next is not None:
+            (self._current, self._offset), self._next = self._next, None
+        request = next(self._current)
+        return dataclasses.replace(request, arrival_time=request.arrival_time + self._offset)
+
+
+class LiveSource(Source):
+    """Builds the engine on a worker thread (loading a checkpoint takes seconds; the UI shows
+    meanwhile) and runs it with ``LiveEngine``, which owns the engine from then on."""
+
+    mode = "live"
+    _ACTIONS = frozenset({"toggle_pause", "step", "faster", "slower", "cycle_workload", "burst", "shared_burst"})
+
+    def __init__(self, build_llm: Callable[[], LLMEngine], workload: str, seed: int = 0,
+                 rate: float | None = None, consumers: list[Consumer] | None = None) -> None:
+        super().__init__()
+        self.workload_name = workload
+        self.rate_scale = 1.0
+        self.phase = "loading"  # loading, running, stopped, failed
+        self._build_llm = build_llm
+        self._seed = seed
+        self._rate = rate
+        self._consumers = list(consumers or ())
+        self._bursts = itertools.count(1)
+        self.live: LiveEngine | None = None
+        self._workload: _SwitchableWorkload | None = None
+        self._vocab_size = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._boot, name="glassbox-tui-boot", daemon=True)
+
+    def supports(self, action: str) -> bool:
+        return action in self._ACTIONS
+
+    def _make_workload(self, name: str) -> Iterator[Request]:
+        params = {"rate": self._rate} if self._rate is not None and name != "bench" else {}
+        return make_workload(name, self._vocab_size, seed=self._seed, **params)
+
+    def _boot(self) -> None:
+        from engine.live import LiveEngine
+
+        try:
+            llm = self._build_llm()
+            if self._stopping.is_set():
+                return
+            self._vocab_size = llm.model_config.vocab_size
+            llm.events.subscribe(self.buffer.put)
+            for consumer in self._consumers:
+                consumer.attach(llm.events)
+            self._workload = _SwitchableWorkload(self._make_workload(self.workload_name))
+            live = LiveEngine(llm, self._workload, self.rate_scale, on_error=self._on_error)
+            if self.paused:
+                live.pause()
+            self.live = live.start()
+            self.phase = "running"
+        except Exception as exc:  # a bad checkpoint or device: shown in the UI, not a traceback
+            self._on_error(exc)
+
+    def _on_error(self, exc: BaseException) -> None:
+        self.phase = "failed"
+        self.buffer.put(EngineError(f"{type(exc).__name__}: {exc}"))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stopping.set()
+        if self.live is not None:
+            self.live.stop(timeout)
+        if self.phase != "failed":
+            self.phase = "stopped"
+
+    def toggle_pause(self) -> None:
+        self.paused = not self.paused
+        if self.live is not None:
+            (self.live.pause if self.paused else self.live.resume)()
+
+    def step_once(self) -> None:
+        if self.live is not None and self.paused:
+            self.live.step_once()
+
+    def _scale(self, factor: float) -> None:
+        low, high = RATE_LIMITS
+        self.rate_scale = min(high, max(low, self.rate_scale * factor))
+        if self.live is not None:
+            self.live.set_rate_scale(self.rate_scale)
+
+    def faster(self) -> None:
+        self._scale(RATE_STEP)
+
+    def slower(self) -> None:
+        self._scale(1 / RATE_STEP)
+
+    def cycle_workload(self) -> str:
+        names = list(WORKLOADS)
+        self.workload_name = names[(names.index(self.workload_name) + 1) % len(names)]
+        if self.live is not None and self._workload is not None:
+            self._workload.switch(self._make_workload(self.workload_name), self.live.workload_time)
+        return self.workload_name
+
+    def _inject(self, name: str, count: int, **params: float) -> int:
+        if self.live is None:
+            return 0
+        seed = self._seed + 1000 * next(self._bursts)  # every burst brings new prompts
+        requests = list(itertools.islice(make_workload(name, self._vocab_size, seed=seed, **params), count))
+        self.live.inject(requests)
+        return len(requests)
+
+    def burst(self) -> int:
+        """A sudden crowd of unrelated requests: the queue grows, the pool fills, preemption follows."""
+        return self._inject("bursty", 16, rate=40.0, burstiness=0.25)
+
+    def shared_burst(self) -> int:
+        """Requests behind one new system prompt: the first computes it, the rest hit the cache."""
+        return self._inject("shared-prefix", 12, rate=8.0, num_prefixes=1)
+
+    def status(self) -> str:
+        if self.phase == "loading":
+            return "loading the model..."
+        state = {"running": "paused" if self.paused else "live", "stopped": "stopped", "failed": "failed"}[self.phase]
+        return f"{state} · {self.workload_name} · rate ×{self.rate_scale:.2g}"
+
+
+class ReplaySource(Source):
+    """Plays a recording through ``telemetry.recorder.Replayer``: pause, single step, seek, speed."""
+
+    mode = "replay"
+    _ACTIONS = frozenset({"toggle_pause", "step", "faster", "slower", "seek_back", "seek_forward"})
+
+    def __init__(self, path: str | Path, speed: float = 1.0, autoplay: bool = True) -> None:
+        from telemetry.recorder import Replayer
+
+        super().__init__()
+        self.path = Path(path)
+        self.speed = speed
+        self.replayer: Replayer = Replayer(self.path, self.buffer.put, on_reset=lambda: self.buffer.put(Reset()))
+        steps = self.replayer.steps
+        self.last_step = steps[-1] if steps else 0
+        self.paused = not autoplay
+        self._thread: threading.Thread | None = None
+
+    def supports(self, action: str) -> bool:
+        return action in self._ACTIONS
+
+    def _play(self) -> None:
+        self._halt()
+        self.replayer.resume()
+        self._thread = threading.Thread(target=self.replayer.play, args=(self.speed,), name="glassbox-tui-replay",
+                                        daemon=True)
+        self._thread.start()
+
+    def _halt(self, timeout: float = 1.0) -> None:
+        if self._thread is not None:
+            self.replayer.stop()
+            self._thread.join(timeout)
+            self._thread = None
+
+    def start(self) -> None:
+        if not self.paused:
+            self._play()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._halt(timeout)
+
+    def toggle_pause(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.replayer.position is None:  # at the end: play again from the start
+                self.replayer.seek(0)
+            self._play()
+        else:
+            self.paused = True
+            self.replayer.pause()
+
+    def step_once(self) -> None:
+        if self.paused:
+            self.replayer.step_once()
+
+    def _set_speed(self, factor: float) -> None:
+        low, high = SPEED_LIMITS
+        self.speed = min(high, max(low, self.speed * factor))
+        if not self.paused:
+            self._play()  # play() takes its speed when it starts
+
+    def faster(self) -> None:
+        self._set_speed(2.0)
+
+    def slower(self) -> None:
+        self._set_speed(0.5)
+
+    def seek_by(self, steps: int) -> None:
+        position = self.replayer.position
+        here = self.last_step + 1 if position is None else position
+        self.replayer.seek(max(0, here + steps))
+
+    def status(self) -> str:
+        position = self.replayer.position
+        where = "end" if position is None else f"step {position}/{self.last_step}"
+        state = "paused" if self.paused else ("done" if position is None else "replay")
+        return f"{state} · {self.path.name} · {where} · speed ×{self.speed:.3g}"

@@ -1,0 +1,417 @@
+"""The dashboard's model: engine events in, a plain-Python picture of the engine out.
+
+Nothing here imports Textual, so the reducer is tested with plain pytest (events in, state out)
+and the widgets only ever render a ``DashboardState``. Every time shown is derived from event
+times (``t``, the engine's ``perf_counter``), never read from the wall clock, so a replayed
+recording always draws the same picture; only a live header passes ``now`` in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from engine.events import (
+    BlockAlloc,
+    BlockEvict,
+    BlockFree,
+    BlockStored,
+    CudaGraphCapture,
+    CudaGraphReplay,
+    EngineStarted,
+    Event,
+    FirstToken,
+    Preempt,
+    PrefixHit,
+    RequestArrived,
+    RequestFinished,
+    RequestRejected,
+    Schedule,
+    Step,
+    Tokens,
+)
+
+RATE_WINDOW_S = 5.0  # header tok/s and step rate are averaged over this much event time
+BUCKET_S = 0.5  # one sparkline column covers this much event time
+HISTORY_BUCKETS = 240
+TIMELINE_STEPS = 400  # enough columns for the widest terminal
+FEED_SIZE = 1000
+LATENCY_SAMPLES = 2000
+FINISHED_KEPT = 12  # finished requests stay in the table this long (rows), newest first
+EVICT_FLASH_STEPS = 6  # an evicted block is marked for this many steps after its eviction
+
+
+class BlockState(IntEnum):
+    """What a KV block holds; the order is the map's priority when cells are grouped."""
+
+    FREE = 0  # in the pool, nothing reusable in it
+    CACHED = 1  # in the pool but its hash is registered: a prefix hit can revive it (evictable)
+    USED = 2  # held by one request
+    SHARED = 3  # held by several requests (a prefix hit on a block in use)
+
+
+@dataclass(slots=True)
+class RequestRow:
+    request_id: int
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float
+    state: str = "waiting"  # waiting, prefill, decode, preempted, then the finish reason
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    generated: int = 0
+    preemptions: int = 0
+    ttft: float | None = None
+    last_token_t: float | None = None
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step as the timeline draws it."""
+
+    step: int
+    phase: str
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    chunks: int  # requests in this step whose prefill is one chunk of several
+    preemptions: int
+    graph_replay: bool
+    padded_batch_size: int | None
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FeedEntry:
+    seq: int  # position in the feed; a widget appends only what it has not shown yet
+    step: int
+    category: str  # hit, preempt, evict, reject, error
+    text: str
+
+
+@dataclass(slots=True)
+class _StepDraft:
+    chunks: int = 0
+    preemptions: int = 0
+    graph_replay: bool = False
+    evicted: list[int] = field(default_factory=list)
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already-sorted list; None when it is empty."""
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+class DashboardState:
+    """Folds events into what the panels show. ``apply`` is the only way in."""
+
+    def __init__(self) -> None:
+        self.engine: EngineStarted | None = None
+        self.graph_batch_sizes: tuple[int, ...] = ()  # captured CUDA graphs; empty when eager or on the CPU
+        self.start_t: float | None = None
+        self.last_t: float | None = None
+        self.last_step = 0
+        self.events_seen = 0
+        # --- requests
+        self.requests: dict[int, RequestRow] = {}
+        self.finished_order: deque[int] = deque()
+        self.num_finished = 0
+        self.num_rejected = 0
+        self.num_preemptions = 0
+        # --- KV blocks: refcount and "hash registered" per block, exactly as the block manager has them
+        self.refcounts: list[int] = []
+        self.cached: list[bool] = []
+        self.evicted_at: dict[int, int] = {}  # block id -> step of its latest eviction
+        self.num_evictions = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        # --- steps and throughput
+        self.timeline: deque[StepRecord] = deque(maxlen=TIMELINE_STEPS)
+        self._draft: dict[int, _StepDraft] = {}
+        self._recent_steps: deque[tuple[float, int, int]] = deque()  # (t, prefill, decode tokens)
+        self.prefill_history: deque[float] = deque(maxlen=HISTORY_BUCKETS)  # tok/s per bucket
+        self.decode_history: deque[float] = deque(maxlen=HISTORY_BUCKETS)
+        self._bucket_start: float | None = None
+        self._bucket_tokens = [0, 0]
+        self.num_graph_replays = 0
+        self.num_chunks = 0
+        # --- latency
+        self.ttfts: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.itls: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        # --- feed
+        self.feed: deque[FeedEntry] = deque(maxlen=FEED_SIZE)
+        self._feed_seq = 0
+        # --- what the UI itself contributes
+        self.error: str | None = None
+        self.dropped = 0
+
+    # --- input ---------------------------------------------------------------------------------
+
+    def apply(self, event: Event) -> None:
+        self.events_seen += 1
+        self.last_t = event.t if self.last_t is None else max(self.last_t, event.t)
+        self.last_step = max(self.last_step, event.step)
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def apply_all(self, events: list[Event]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def set_error(self, message: str) -> None:
+        self.error = message
+        self._post(self.last_step, "error", message)
+
+    # --- derived views -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refcounts)
+
+    def block_state(self, block_id: int) -> BlockState:
+        ref = self.refcounts[block_id]
+        if ref > 1:
+            return BlockState.SHARED
+        if ref == 1:
+            return BlockState.USED
+        return BlockState.CACHED if self.cached[block_id] else BlockState.FREE
+
+    def recently_evicted(self, block_id: int) -> bool:
+        at = self.evicted_at.get(block_id)
+        return at is not None and self.last_step - at < EVICT_FLASH_STEPS
+
+    def block_counts(self) -> dict[BlockState, int]:
+        counts = dict.fromkeys(BlockState, 0)
+        for block_id in range(self.num_blocks):
+            counts[self.block_state(block_id)] += 1
+        return counts
+
+    @property
+    def kv_usage(self) -> float:
+        return sum(1 for r in self.refcounts if r > 0) / self.num_blocks if self.refcounts else 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Prefix-cache hit rate in tokens, as vLLM's prefix_cache_hits / prefix_cache_queries."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else None
+
+    def count(self, *states: str) -> int:
+        return sum(1 for r in self.requests.values() if r.state in states)
+
+    @property
+    def waiting(self) -> int:
+        return self.count("waiting", "preempted")
+
+    @property
+    def running(self) -> int:
+        return self.count("prefill", "decode")
+
+    def uptime(self, now: float | None = None) -> float:
+        if self.start_t is None:
+            return 0.0
+        end = now if now is not None else (self.last_t if self.last_t is not None else self.start_t)
+        return max(0.0, end - self.start_t)
+
+    def rates(self, now: float | None = None) -> tuple[float, float, float]:
+        """Steps/s, prompt tok/s and generation tok/s over the last ``RATE_WINDOW_S`` of event time."""
+        end = now if now is not None else self.last_t
+        if end is None or not self._recent_steps:
+            return 0.0, 0.0, 0.0
+        start = end - RATE_WINDOW_S
+        steps = [s for s in self._recent_steps if s[0] > start]
+        span = min(RATE_WINDOW_S, max(end - (self.start_t if self.start_t is not None else start), 1e-9))
+        return (len(steps) / span, sum(s[1] for s in steps) / span, sum(s[2] for s in steps) / span)
+
+    def latency_percentiles(self) -> dict[str, dict[int, float | None]]:
+        out = {}
+        for name, values in (("ttft", self.ttfts), ("itl", self.itls)):
+            ordered = sorted(values)
+            out[name] = {q: percentile(ordered, q) for q in (50, 90, 99)}
+        return out
+
+    def table_rows(self) -> list[RequestRow]:
+        """Live requests in id order, then the most recently finished ones."""
+        live = sorted((r for r in self.requests.values() if not r.finished), key=lambda r: r.request_id)
+        done = [self.requests[i] for i in reversed(self.finished_order)]
+        return live + done
+
+    def feed_after(self, seq: int) -> list[FeedEntry]:
+        """Entries newer than ``seq`` (the feed is in seq order, so a bisect finds the start)."""
+        seqs = [e.seq for e in self.feed]
+        return list(self.feed)[bisect.bisect_right(seqs, seq):]
+
+    # --- reducers, one per event type ----------------------------------------------------------
+
+    def _post(self, step: int, category: str, text: str) -> None:
+        self._feed_seq += 1
+        self.feed.append(FeedEntry(self._feed_seq, step, category, text))
+
+    def _draft_for(self, step: int) -> _StepDraft:
+        draft = self._draft.get(step)
+        if draft is None:
+            draft = self._draft[step] = _StepDraft()
+        return draft
+
+    def _on_engine_started(self, e: EngineStarted) -> None:
+        self.engine = e
+        self.start_t = e.t
+        self.refcounts = [0] * e.num_blocks
+        self.cached = [False] * e.num_blocks
+
+    def _on_graph_capture(self, e: CudaGraphCapture) -> None:
+        self.graph_batch_sizes = e.batch_sizes
+
+    def _on_arrived(self, e: RequestArrived) -> None:
+        self.requests[e.request_id] = RequestRow(e.request_id, e.prompt_tokens, e.max_tokens, e.arrival)
+
+    def _on_rejected(self, e: RequestRejected) -> None:
+        self.num_rejected += 1
+        self._post(e.step, "reject", f"reject #{e.request_id}: {e.reason}")
+
+    def _on_prefix_hit(self, e: PrefixHit) -> None:
+        self.query_tokens += e.query_tokens
+        self.hit_tokens += e.hit_tokens
+        row = self.requests.get(e.request_id)
+        if row is not None and row.state == "waiting":  # first admission; re-admissions after a preemption keep it
+            row.cached_tokens = e.hit_tokens
+        if e.hit_tokens:
+            self._post(e.step, "hit", f"hit #{e.request_id} {e.hit_tokens}/{e.query_tokens} tok cached")
+
+    def _set_refcounts(self, block_ids: tuple[int, ...], refcounts: tuple[int, ...]) -> None:
+        n = len(self.refcounts)
+        for block_id, ref in zip(block_ids, refcounts):
+            if 0 <= block_id < n:
+                self.refcounts[block_id] = ref
+
+    def _on_block_alloc(self, e: BlockAlloc) -> None:
+        self._set_refcounts(e.block_ids, e.refcounts)
+
+    def _on_block_free(self, e: BlockFree) -> None:
+        self._set_refcounts(e.block_ids, e.refcounts)
+
+    def _on_block_stored(self, e: BlockStored) -> None:
+        for block_id in e.block_ids:
+            if 0 <= block_id < len(self.cached):
+                self.cached[block_id] = True
+
+    def _on_block_evict(self, e: BlockEvict) -> None:
+        if 0 <= e.block_id < len(self.cached):
+            self.cached[e.block_id] = False
+        self.evicted_at[e.block_id] = e.step
+        self.num_evictions += 1
+        self._draft_for(e.step).evicted.append(e.block_id)
+
+    def _on_schedule(self, e: Schedule) -> None:
+        for request_id in e.request_ids:
+            row = self.requests.get(request_id)
+            if row is not None:
+                row.state = e.phase
+        chunks = sum(e.chunked)
+        self._draft_for(e.step).chunks += chunks
+        self.num_chunks += chunks
+
+    def _on_preempt(self, e: Preempt) -> None:
+        self.num_preemptions += 1
+        row = self.requests.get(e.request_id)
+        if row is not None:
+            row.state = "preempted"
+            row.preemptions += 1
+        self._draft_for(e.step).preemptions += 1
+        if e.for_request_id == e.request_id:
+            why = "no block left for its own next token"
+        else:
+            why = f"so #{e.for_request_id} can decode"
+        self._post(e.step, "preempt", f"preempt #{e.request_id} ({e.freed_blocks} blk freed) {why}")
+
+    def _on_graph_replay(self, e: CudaGraphReplay) -> None:
+        self.num_graph_replays += 1
+        self._draft_for(e.step).graph_replay = True
+
+    def _on_step(self, e: Step) -> None:
+        draft = self._draft.pop(e.step, None) or _StepDraft()
+        # Drafts of steps that never finished (an error mid-step) would otherwise pile up.
+        for stale in [s for s in self._draft if s < e.step]:
+            del self._draft[stale]
+        self.timeline.append(StepRecord(e.step, e.phase, e.num_seqs, e.num_prefill_tokens, e.num_decode_tokens,
+                                        draft.chunks, draft.preemptions, draft.graph_replay, e.padded_batch_size,
+                                        e.duration_s))
+        if draft.evicted:
+            shown = " ".join(str(b) for b in draft.evicted[:6]) + (" …" if len(draft.evicted) > 6 else "")
+            self._post(e.step, "evict", f"evict {len(draft.evicted)} cached blk: {shown}")
+        self._recent_steps.append((e.t, e.num_prefill_tokens, e.num_decode_tokens))
+        while self._recent_steps and self._recent_steps[0][0] <= e.t - RATE_WINDOW_S:
+            self._recent_steps.popleft()
+        self._add_to_history(e.t, e.num_prefill_tokens, e.num_decode_tokens)
+
+    def _add_to_history(self, t: float, prefill: int, decode: int) -> None:
+        if self._bucket_start is None:
+            self._bucket_start = t
+        # Close every bucket that ended before t, empty ones included, so idle time shows as zero.
+        while t >= self._bucket_start + BUCKET_S:
+            self.prefill_history.append(self._bucket_tokens[0] / BUCKET_S)
+            self.decode_history.append(self._bucket_tokens[1] / BUCKET_S)
+            self._bucket_tokens = [0, 0]
+            self._bucket_start += BUCKET_S
+            if t - self._bucket_start > BUCKET_S * HISTORY_BUCKETS:  # a long idle gap: skip ahead
+                self._bucket_start = t - (t - self._bucket_start) % BUCKET_S
+        self._bucket_tokens[0] += prefill
+        self._bucket_tokens[1] += decode
+
+    def _on_tokens(self, e: Tokens) -> None:
+        for request_id in e.request_ids:
+            row = self.requests.get(request_id)
+            if row is None:
+                continue
+            row.generated += 1
+            if row.last_token_t is not None:
+                self.itls.append(e.t - row.last_token_t)
+            row.last_token_t = e.t
+            if row.state == "prefill":
+                row.state = "decode"
+
+    def _on_first_token(self, e: FirstToken) -> None:
+        row = self.requests.get(e.request_id)
+        if row is not None and row.ttft is None:
+            row.ttft = e.t - row.arrival
+            self.ttfts.append(row.ttft)
+
+    def _on_finished(self, e: RequestFinished) -> None:
+        self.num_finished += 1
+        row = self.requests.get(e.request_id)
+        if row is None:
+            return
+        row.state = e.reason
+        row.finished = True
+        row.generated = e.output_tokens
+        row.preemptions = e.num_preemptions
+        row.cached_tokens = e.cached_tokens
+        self.finished_order.append(e.request_id)
+        while len(self.finished_order) > FINISHED_KEPT:
+            self.requests.pop(self.finished_order.popleft(), None)
+
+
+_HANDLERS = {
+    EngineStarted: DashboardState._on_engine_started,
+    CudaGraphCapture: DashboardState._on_graph_capture,
+    RequestArrived: DashboardState._on_arrived,
+    RequestRejected: DashboardState._on_rejected,
+    PrefixHit: DashboardState._on_prefix_hit,
+    BlockAlloc: DashboardState._on_block_alloc,
+    BlockFree: DashboardState._on_block_free,
+    BlockStored: DashboardState._on_block_stored,
+    BlockEvict: DashboardState._on_block_evict,
+    Schedule: DashboardState._on_schedule,
+    Preempt: DashboardState._on_preempt,
+    CudaGraphReplay: DashboardState._on_graph_replay,
+    Step: DashboardState._on_step,
+    Tokens: DashboardState._on_tokens,
+    FirstToken: DashboardState._on_first_token,
+    RequestFinished: DashboardState._on_finished,
+}

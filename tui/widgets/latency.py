@@ -1,0 +1,50 @@
+"""Latency and throughput: prefill and decode tok/s over time, TTFT and inter-token percentiles."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Sparkline, Static
+
+from tui import format as fmt
+from tui.state import BUCKET_S, DashboardState
+
+
+class LatencyPanel(Vertical):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = f"Throughput ({BUCKET_S:g}s buckets) and latency"
+        self._state: DashboardState | None = None
+
+    def on_resize(self) -> None:
+        if self._state is not None:  # how much history fits depends on the width
+            self.call_after_refresh(self.show, self._state)
+
+    def compose(self) -> ComposeResult:
+        for name in ("prefill", "decode"):
+            with Horizontal(classes="spark-row"):
+                yield Static(id=f"{name}-label", classes="spark-label")
+                yield Sparkline([], id=f"{name}-spark")
+        yield Static(id="percentiles")
+
+    def show(self, state: DashboardState) -> None:
+        self._state = state
+        width = max(1, self.query_one("#prefill-spark").content_size.width)
+        for name, history in (("prefill", state.prefill_history), ("decode", state.decode_history)):
+            # Left-padded so that history scrolls in from the right at a fixed 0.5 s per column.
+            values = [0.0] * max(0, width - len(history)) + list(history)[-width:]
+            label = Text(f"{name:<7} ", style="dim")
+            label.append(fmt.count(values[-1]) if history else "-", style="bold")
+            label.append(" tok/s", style="dim")
+            self.query_one(f"#{name}-label", Static).update(label)
+            self.query_one(f"#{name}-spark", Sparkline).data = values
+        percentiles = state.latency_percentiles()
+        text = Text()
+        for i, (name, title) in enumerate((("ttft", "TTFT"), ("itl", "ITL "))):
+            if i:
+                text.append("\n")
+            text.append(f"{title} ", style="bold")
+            text.append("p50/90/99 ", style="dim")
+            text.append(" ".join(f"{fmt.seconds(v):>5}" for v in percentiles[name].values()))
+        self.query_one("#percentiles", Static).update(text)

@@ -1,0 +1,79 @@
+"""Queues and requests: waiting/running counts and one table row per request, updated by diff."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable
+
+from tui import format as fmt
+from tui import palette
+from tui.state import DashboardState, RequestRow
+
+# (label, key); cells carry their own one-space gap so that 80 columns hold the whole table.
+COLUMNS = (("  id", "id"), (" state", "state"), (" prompt", "prompt"), (" hit", "cached"), (" gen/max", "gen"),
+           (" pre", "preempt"), ("  ttft", "ttft"))
+STATE_STYLES = {"waiting": palette.WAITING, "prefill": palette.PREFILL, "decode": palette.DECODE,
+                "preempted": f"bold {palette.PREEMPT}"}
+
+Cells = tuple[str, str, str, str, str, str, str]
+
+
+def _cells(row: RequestRow) -> Cells:
+    return (str(row.request_id), row.state, str(row.prompt_tokens), str(row.cached_tokens) if row.cached_tokens else "",
+            f"{row.generated}/{row.max_tokens}", str(row.preemptions) if row.preemptions else "",
+            fmt.seconds(row.ttft) if row.ttft is not None else "")
+
+
+def _render(cells: Cells) -> list[Text]:
+    state_style = STATE_STYLES.get(cells[1], "dim")
+    out = []
+    for i, value in enumerate(cells):
+        style = state_style if i == 1 else ("dim" if state_style == "dim" else "")
+        if i == 5 and value:
+            style = palette.PREEMPT
+        out.append(Text(f" {value}", style=style, justify="left" if i == 1 else "right"))
+    return out
+
+
+class RequestsPanel(Vertical):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Queues"
+        self._shown: dict[int, Cells] = {}
+        self._order: list[int] = []
+
+    def compose(self) -> ComposeResult:
+        table: DataTable[Text] = DataTable(cursor_type="none", show_cursor=False, cell_padding=0)
+        for label, key in COLUMNS:
+            table.add_column(label, key=key)
+        yield table
+
+    def show(self, state: DashboardState) -> None:
+        title = (f"Queues [{palette.WAITING}]waiting {state.waiting}[/] · [{palette.DECODE}]running "
+                 f"{state.running}[/] · done {state.num_finished}")
+        if state.num_rejected:
+            title += f" · [{palette.REJECT}]rejected {state.num_rejected}[/]"
+        self.border_title = title
+        table = self.query_one(DataTable)
+        rows = state.table_rows()
+        wanted = {row.request_id: _cells(row) for row in rows}
+        for request_id in [r for r in self._shown if r not in wanted]:
+            table.remove_row(str(request_id))
+            del self._shown[request_id]
+        for request_id, cells in wanted.items():
+            old = self._shown.get(request_id)
+            if old is None:
+                table.add_row(*_render(cells), key=str(request_id))
+            elif old != cells:
+                rendered = _render(cells)
+                for i, (label, key) in enumerate(COLUMNS):
+                    if old[i] != cells[i] or old[1] != cells[1]:  # a state change restyles the whole row
+                        table.update_cell(str(request_id), key, rendered[i])
+            self._shown[request_id] = cells
+        order = [row.request_id for row in rows]
+        if order != self._order:
+            rank = {str(request_id): i for i, request_id in enumerate(order)}
+            table.sort("id", key=lambda cell: rank[cell.plain.strip()])
+            self._order = order

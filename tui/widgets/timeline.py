@@ -1,0 +1,80 @@
+"""The step timeline: one column per engine step, newest on the right.
+
+Bar height is tokens computed in the step (log scale, so a 1-token decode is still visible next to
+a 256-token prefill); colour is the phase. The bottom row marks what else happened in the step:
+P a preemption, c a chunked-prefill chunk, g a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.text import Text
+from textual.widget import Widget
+
+from tui import format as fmt
+from tui import palette
+from tui.state import DashboardState, StepRecord
+
+BARS = " ▁▂▃▄▅▆▇█"
+PHASE_STYLES = {"prefill": palette.PREFILL, "decode": palette.DECODE}
+MARKS = (("P", f"bold {palette.PREEMPT}"), ("c", f"bold {palette.CHUNK}"), ("g", palette.GRAPH), ("·", palette.FREE))
+LEGEND = (f"[{palette.PREFILL}]█[/] prefill [{palette.DECODE}]█[/] decode  [b {palette.PREEMPT}]P[/] preempt "
+          f"[b {palette.CHUNK}]c[/] chunk [{palette.GRAPH}]g[/] graph (log height)")
+
+
+def _mark(record: StepRecord) -> tuple[str, str]:
+    if record.preemptions:
+        return MARKS[0]
+    if record.chunks:
+        return MARKS[1]
+    if record.graph_replay:
+        return MARKS[2]
+    return MARKS[3]
+
+
+class StepTimeline(Widget):
+    DEFAULT_CSS = "StepTimeline { height: 1fr; }"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._state: DashboardState | None = None
+        self.border_title = "Steps"
+        self.border_subtitle = LEGEND
+
+    def show(self, state: DashboardState) -> None:
+        self._state = state
+        if state.timeline:
+            last = state.timeline[-1]
+            tokens = last.prefill_tokens or last.decode_tokens
+            replay = f" · graph {last.padded_batch_size}" if last.graph_replay else ""
+            self.border_title = (f"Steps  #{last.step} {last.phase} · {last.num_seqs} seqs · {tokens} tok · "
+                                 f"{fmt.seconds(last.duration_s)}{replay} · chunks {state.num_chunks}"
+                                 f" · preemptions {state.num_preemptions}")
+        self.refresh()
+
+    def render(self) -> Text:
+        width, height = max(1, self.size.width), max(2, self.size.height)
+        state = self._state
+        records = list(state.timeline)[-width:] if state is not None else []
+        bar_rows = height - 1
+        levels = bar_rows * (len(BARS) - 1)
+        # A fixed scale (the step's token budget) keeps a decode step short next to a full prefill
+        # even when no prefill is in view.
+        budget = state.engine.max_num_batched_tokens if state is not None and state.engine is not None else 1
+        peak = max([budget, *(r.prefill_tokens + r.decode_tokens for r in records)])
+        heights = [round(levels * math.log1p(r.prefill_tokens + r.decode_tokens) / math.log1p(max(peak, 1)))
+                   for r in records]
+        pad = width - len(records)
+        text = Text(no_wrap=True, overflow="crop")
+        for row in range(bar_rows):
+            floor = (bar_rows - 1 - row) * (len(BARS) - 1)  # levels below this row
+            text.append(" " * pad)
+            for record, h in zip(records, heights):
+                fill = max(0, min(len(BARS) - 1, h - floor))
+                text.append(BARS[fill], style=PHASE_STYLES.get(record.phase, ""))
+            text.append("\n")
+        text.append(" " * pad)
+        for record in records:
+            text.append(*_mark(record))
+        return text
