@@ -78,43 +78,53 @@ def decode_floor(mc: Qwen3Config, itemsize: int, prompt_lens: list[int], output_
     return Floor(bandwidth, total, seconds, sum(output_lens) / seconds)
 
 
-def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
-    llm = build_llm(args)
-    consumers = []
-    if not args.no_telemetry:
+def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telemetry: bool,
+              record: Path | None = None) -> dict:
+    """One timed ``generate`` of the workload, with the Prometheus exporter and the recorder attached
+    or with nothing listening at all (then no event is even built, and no step breakdown exists)."""
+    consumers, steps = [], []
+    if telemetry:
         from telemetry.prometheus import PrometheusExporter
         from telemetry.recorder import EventRecorder
 
-        record = args.record or Path(tempfile.mkdtemp()) / "bench.jsonl.gz"
+        record = record or Path(tempfile.mkdtemp()) / "bench.jsonl.gz"
         consumers = [PrometheusExporter(Path(llm.config.model).name, port=0), EventRecorder(record)]
         for consumer in consumers:
             consumer.attach(llm.events)
-    steps = []
-    llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    steps.clear()
+        unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
     if llm.model_runner.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t
-    for consumer in consumers:
-        consumer.close()
+    if telemetry:
+        unsubscribe()
+        for consumer in consumers:
+            consumer.close()
     decode = [s for s in steps if s.phase == "decode"]
-    host = {part: statistics.mean(getattr(s, part) for s in decode) * 1e3 if decode else 0.0
-            for part in ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")}
-    return {
-        "seconds": seconds,
-        "output_tokens": sum(p.max_tokens for p in params),
-        "tokens_per_s": sum(p.max_tokens for p in params) / seconds,
-        "num_blocks": llm.config.num_kvcache_blocks,
-        "backend": llm.model_runner.backend.name,
-        "cuda_graphs": bool(llm.model_runner.graphs),
-        "decode_steps": len(decode),
-        "decode_host_ms": host,
-        "telemetry": not args.no_telemetry,
-        "_llm": llm,
-    }
+    host = {part: statistics.mean(getattr(s, part) for s in decode) * 1e3
+            for part in ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")} if decode else {}
+    tokens = sum(p.max_tokens for p in params)
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "telemetry": telemetry,
+            "decode_steps": len(decode), "decode_host_ms": host}
+
+
+def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]):
+    llm = build_llm(args)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # nano-vllm's warm-up call
+    result = timed_run(llm, prompts, params, telemetry=not args.no_telemetry, record=args.record)
+    result.update(num_blocks=llm.config.num_kvcache_blocks, backend=llm.model_runner.backend.name,
+                  cuda_graphs=bool(llm.model_runner.graphs))
+    if args.telemetry_ab:
+        # Alternate on and off on the same engine: this machine's drift hits both arms alike.
+        runs = {True: [], False: []}
+        for _ in range(args.telemetry_ab):
+            for telemetry in (True, False):
+                runs[telemetry].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
+        on, off = statistics.median(runs[True]), statistics.median(runs[False])
+        result["telemetry_ab"] = {"on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
+                                  "median_off": off, "slowdown": 1 - on / off}
+    return result, llm
 
 
 HF_SETTINGS = dict(attn_implementation="paged|sdpa", block_size=256, max_batch_tokens=16384,
@@ -156,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("hf",), help="also run transformers' continuous batching")
     parser.add_argument("--no-telemetry", action="store_true", help="no Prometheus exporter or recorder attached")
     parser.add_argument("--record", type=Path, help="where the recording goes (default: a temporary file)")
+    parser.add_argument("--telemetry-ab", type=int, default=0, metavar="N",
+                        help="then N more runs each with telemetry on and off, alternating, on the same engine")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
 
     vocab_size = load_qwen3_config(model_dir(args)).vocab_size
     requests = list(bench_workload(vocab_size, seed=0, num_requests=args.num_requests))
-    ours = run_glassbox(args, [r.prompt_token_ids for r in requests], [r.sampling_params for r in requests])
-    llm = ours.pop("_llm")
+    ours, llm = run_glassbox(args, [r.prompt_token_ids for r in requests], [r.sampling_params for r in requests])
     mc, runner = llm.model_config, llm.model_runner
     prompts = [r.prompt_token_ids for r in requests]
     params = [r.sampling_params for r in requests]
@@ -171,19 +182,27 @@ def main(argv: list[str] | None = None) -> int:
               "(CPU: no bandwidth floor)")
         return 0
     checkpoint = llm.config.model
+    tp = llm.config.tensor_parallel_size
+    llm.close()
     del llm, runner
     torch.cuda.empty_cache()
+    # With tensor parallelism each GPU reads its shard of the weights and K/V at the same time.
     floor = decode_floor(mc, torch.finfo(torch.bfloat16).bits // 8, [len(p) for p in prompts],
-                         [p.max_tokens for p in params], device_copy_bandwidth(torch.device("cuda")))
-    results = {"device": torch.cuda.get_device_name(), "glassbox": ours, "floor": asdict(floor),
-               "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s}
+                         [p.max_tokens for p in params], tp * device_copy_bandwidth(torch.device("cuda")))
+    results = {"device": f"{tp} x {torch.cuda.get_device_name()}", "tensor_parallel_size": tp, "glassbox": ours,
+               "floor": asdict(floor), "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s}
     print(f"device            {results['device']}")
-    print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write, all {tp} GPUs)")
     print(f"floor             {floor.tokens_per_s:,.0f} tok/s ({floor.decode_bytes / 1e12:.2f} TB of decode reads)")
     print(f"glassbox          {ours['output_tokens']:,} tok in {ours['seconds']:.2f}s = {ours['tokens_per_s']:,.0f} tok/s "
           f"= {results['share_of_floor']:.1%} of the floor  [{ours['backend']}, graphs={ours['cuda_graphs']}, "
           f"telemetry={ours['telemetry']}, {ours['num_blocks']} blocks]")
-    print("decode step host ms " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ours["decode_host_ms"].items()))
+    if ours["decode_host_ms"]:
+        print("decode step host ms " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ours["decode_host_ms"].items()))
+    if "telemetry_ab" in ours:
+        ab = ours["telemetry_ab"]
+        print(f"telemetry on/off  median {ab['median_on']:,.0f} vs {ab['median_off']:,.0f} tok/s: {ab['slowdown']:+.2%} slower "
+              f"(on {min(ab['on_tok_s']):,.0f}-{max(ab['on_tok_s']):,.0f}, off {min(ab['off_tok_s']):,.0f}-{max(ab['off_tok_s']):,.0f})")
     if args.peer == "hf":
         peer = run_hf_peer(checkpoint, prompts, params)
         results["hf"] = peer

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton chooses interpreter or compiler when it is first imported, and several test modules import
+# it (through the kernels): without CUDA no kernel could run compiled, so interpret them all.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models.checkpoint import make_checkpoint
 
