@@ -19,6 +19,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError, Scheduler
 from engine.sequence import Sequence
+from engine.tensor_parallel import TensorParallelGroup, check_parallel_config
 from models.config import load_qwen3_config
 
 Prompt = str | list[int]
@@ -36,22 +37,51 @@ class LLMEngine:
         config.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
         if model_config.eos_token_id is not None:
             config.eos = model_config.eos_token_id
+        check_parallel_config(config, model_config)
         self.config = config
         self.model_config = model_config
         self.events = EventBus()
         self.tokenizer = _load_tokenizer(model)
-        self.model_runner = ModelRunner(config, model_config, events=self.events)
-        self.scheduler = Scheduler(config, self.events)
-        self._seqs: dict[int, Sequence] = {}
-        self.events.announce(
-            EngineStarted, model=config.model, **self.model_runner.describe(),
-            block_size=config.kvcache_block_size, num_blocks=config.num_kvcache_blocks,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
-            enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
-            wall_time=time.time())
-        if self.model_runner.uses_cudagraphs:
-            self.model_runner.capture_cudagraph()
+        # Rank 0's runner either way; with tensor parallelism the group also drives the other ranks.
+        self.tp_group: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.tp_group = TensorParallelGroup(config, model_config, self.events)
+            self.model_runner = self.tp_group.runner
+        else:
+            self.model_runner = ModelRunner(config, model_config, events=self.events)
+        try:
+            self.scheduler = Scheduler(config, self.events)
+            self._seqs: dict[int, Sequence] = {}
+            self.events.announce(
+                EngineStarted, model=config.model, **self.model_runner.describe(),
+                block_size=config.kvcache_block_size, num_blocks=config.num_kvcache_blocks,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
+                enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
+                wall_time=time.time())
+            if self.model_runner.uses_cudagraphs:
+                # Every rank captures: the collectives are inside the graphs, so every rank replays.
+                if self.tp_group is None:
+                    self.model_runner.capture_cudagraph()
+                else:
+                    self.tp_group.call(ModelRunner.capture_cudagraph)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and release the process group; idempotent, and also done
+        at interpreter exit. A single-rank engine holds nothing that needs releasing."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -112,9 +142,13 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         t1 = time.perf_counter()
         try:
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            if self.tp_group is None:
+                token_ids = self.model_runner.run(seqs, is_prefill)
+            else:
+                token_ids = self.tp_group.call(ModelRunner.run, seqs, is_prefill)
         except Exception:
-            # The batch is lost, the engine is not: fail these requests and free their blocks.
+            # The batch is lost, the engine is not (unless its tensor-parallel ranks fell out of step,
+            # which the group reports on every later call): fail these requests and free their blocks.
             for seq in seqs:
                 self.scheduler.abort(seq.seq_id, reason="error")
                 self._seqs.pop(seq.seq_id, None)

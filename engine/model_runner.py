@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from engine.config import Config
@@ -141,6 +142,11 @@ class ModelRunner:
         config = self.config
         if config.num_kvcache_blocks == -1:
             num_blocks = self._blocks_that_fit()
+            if config.tensor_parallel_size > 1:
+                # Each rank measured its own memory; all must allocate the same pool: the smallest.
+                agreed = torch.tensor([num_blocks], device=self.device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+                num_blocks = int(agreed.item())
             if num_blocks < 1:
                 raise RuntimeError(
                     f"no memory is left for the KV cache ({self.block_bytes / 2**20:.1f} MiB per block of "

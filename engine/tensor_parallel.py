@@ -1,0 +1,358 @@
+"""Tensor parallelism: one engine over several devices, one process per rank.
+
+Rank 0 lives in the engine process: it schedules, samples and emits every event. Ranks 1..N-1 are
+worker processes (spawned, so that CUDA and threads start fresh), each with its own ``ModelRunner``,
+that repeat rank 0's calls; the model's collectives (``torch.distributed``: NCCL on CUDA, gloo on the
+CPU) keep the ranks in step.
+
+- Rendezvous: rank 0 hosts a ``TCPStore`` on 127.0.0.1 at port 0, so the OS picks a free port; no
+  fixed name or port, and two engines can share a host. Shutdown releases the store with the group.
+- Call path: rank 0 pickles ``(function, args)`` once, writes the bytes to one anonymous pipe per
+  worker, then runs the function itself. Pipes rather than ``broadcast_object_list`` over a second
+  gloo group: they carry messages of any size, a write to a dead worker fails at once instead of
+  waiting in a collective, and the watchdog waits on the workers' pipes and process sentinels
+  together.
+- Failure: a worker that raises reports its traceback on its own pipe and exits. A watchdog thread on
+  rank 0 waits on those pipes and the processes' sentinels and records the first failure. A dead peer
+  makes gloo collectives fail at once; NCCL ones would wait forever, so the watchdog aborts the NCCL
+  communicators. Either way the call raises ``WorkerError`` with the worker's error, and after any
+  failed call the ranks are out of step: the group refuses further calls until it is closed.
+- Shutdown (``close()``, at interpreter exit, or when the group is garbage-collected): workers in
+  step are told to exit and joined; the others, and stragglers, are terminated. The process group is
+  destroyed and the store's port closed. Workers ignore Ctrl-C (rank 0 decides when they stop) and
+  exit by themselves when the engine process dies.
+
+One process holds one tensor-parallel engine at a time: the model's layers read their rank and the
+group size from the default process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from multiprocessing import get_context, parent_process
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from engine.config import Config, ConfigError
+from engine.events import EventBus
+from engine.model_runner import ModelRunner, resolve_device
+from models.config import Qwen3Config
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Workers import torch and reach the rendezvous within seconds; this only bounds a worker that is
+# alive but stuck.
+_START_TIMEOUT = datetime.timedelta(minutes=5)
+# How long a failed call on rank 0 waits for the watchdog to learn whether, and why, a worker failed.
+_FAILURE_GRACE_S = 2.0
+_JOIN_TIMEOUT_S = 10.0
+_READY = "ready"
+_EXIT = pickle.dumps(None)
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker raised or died; the message carries its error and traceback."""
+
+
+def check_parallel_config(config: Config, model_config: Qwen3Config) -> None:
+    """Refuse a tensor-parallel size that the model or the machine cannot take, before anything starts."""
+    n = config.tensor_parallel_size
+    sharded = {"num_attention_heads": model_config.num_attention_heads,
+               "num_key_value_heads": model_config.num_key_value_heads,
+               "intermediate_size": model_config.intermediate_size, "vocab_size": model_config.vocab_size}
+    indivisible = [f"{name}={value}" for name, value in sharded.items() if value % n]
+    if indivisible:
+        sizes = [s for s in range(1, 9) if all(v % s == 0 for v in sharded.values())]
+        raise ConfigError(f"tensor_parallel_size={n} must divide {', '.join(indivisible)}: "
+                          f"this model takes tensor_parallel_size in {sizes}")
+    if dist.is_available() and dist.is_initialized() and (n > 1 or dist.get_world_size() > 1):
+        raise ConfigError(
+            f"torch.distributed is already initialised in this process (world size {dist.get_world_size()}), "
+            "and the model's layers shard across its default group: close the other tensor-parallel engine "
+            "first (LLM.close()), or run this engine in another process")
+    if n > 1:
+        device = resolve_device(config.device)
+        first = device.index or 0
+        if device.type == "cuda" and first + n > torch.cuda.device_count():
+            raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs from cuda:{first}, but "
+                              f"{torch.cuda.device_count()} are visible")
+
+
+def _rank_device(config: Config, rank: int) -> torch.device:
+    device = resolve_device(config.device)
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+def _init_process_group(device: torch.device, rank: int, world_size: int, store: dist.Store) -> None:
+    if device.type != "cuda":
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        return
+    # Rank 0 notices dead workers itself and aborts the communicators (see _Workers._fail); torch's
+    # NCCL watchdog would otherwise be free to tear the engine process down.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
+
+
+class TensorParallelGroup:
+    """Rank 0's side: its own ``ModelRunner`` (``runner``) plus the worker processes."""
+
+    def __init__(self, config: Config, model_config: Qwen3Config, events: EventBus) -> None:
+        device = _rank_device(config, 0)
+        self._workers = _Workers(config.tensor_parallel_size, "nccl" if device.type == "cuda" else "gloo")
+        # Holds only the workers, so an engine that is dropped without close() is still cleaned up.
+        self._finalizer = weakref.finalize(self, self._workers.shutdown)
+        self._finalizer.atexit = False
+        # Registered now, after multiprocessing's own exit hook (which joins live children), so that
+        # it runs first.
+        atexit.register(self._finalizer)
+        try:
+            store = self._workers.start(config, model_config)
+            _init_process_group(device, 0, config.tensor_parallel_size, store)
+            self._workers.owns_process_group = True
+            self._workers.watch()
+            with self._in_step():
+                self.runner = ModelRunner(config, model_config, rank=0, events=events)
+            self._workers.graphs = self.runner.graphs
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(runner, *args)`` on every rank; returns rank 0's result. ``fn`` must be picklable
+        by reference (a module-level function, or a method looked up on its class)."""
+        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._in_step():
+            self._workers.send(payload)
+            return fn(self.runner, *args)
+
+    @contextlib.contextmanager
+    def _in_step(self) -> Iterator[None]:
+        workers = self._workers
+        if workers.failure is not None:
+            raise WorkerError(workers.failure)
+        if workers.out_of_step:
+            raise RuntimeError("the tensor-parallel ranks are out of step after an earlier error or "
+                               "interruption: close this engine and start a new one")
+        workers.out_of_step = True  # until rank 0 has finished its part
+        try:
+            yield
+        except Exception as exc:
+            # A dead worker shows up on rank 0 as a failed collective or a broken pipe; report the
+            # worker's own error instead.
+            if workers.failed.wait(_FAILURE_GRACE_S):
+                raise WorkerError(workers.failure) from exc
+            raise
+        # An aborted NCCL collective can return normally, with garbage.
+        if workers.failure is not None:
+            raise WorkerError(workers.failure)
+        workers.out_of_step = False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers.processes if p.pid is not None]
+
+    def close(self) -> None:
+        """Stop the workers and release the process group and its port; idempotent."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+
+class _Workers:
+    """The worker processes, their pipes, the store and the watchdog: all that shutdown needs and no
+    model, so that a finalizer can hold it without keeping the engine alive."""
+
+    def __init__(self, world_size: int, backend: str) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.processes: list[BaseProcess] = []
+        self.commands: list[Connection] = []  # rank 0 -> worker: pickled calls
+        self.reports: list[Connection] = []  # worker -> rank 0: "ready", then only an error report
+        self.store: dist.TCPStore | None = None
+        # Rank 0's captured CUDA graphs (the runner's own dict), released before the process group.
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.owns_process_group = False
+        self.failure: str | None = None
+        self.failed = threading.Event()
+        self.out_of_step = False
+        self.closing = False
+        self._watchdog: threading.Thread | None = None
+
+    def start(self, config: Config, model_config: Qwen3Config) -> dist.TCPStore:
+        """Spawn ranks 1..N-1 and wait until each has started; returns rank 0's store."""
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
+                                   timeout=_START_TIMEOUT)
+        ctx = get_context("spawn")
+        for rank in range(1, self.world_size):
+            command_reader, command_writer = ctx.Pipe(duplex=False)
+            report_reader, report_writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_worker_main, name=f"glassbox-tp-rank{rank}",
+                                  args=(rank, self.world_size, self.store.port, config, model_config,
+                                        command_reader, report_writer))
+            process.start()
+            # Only the worker keeps its ends, so that either side sees EOF when the other is gone.
+            command_reader.close()
+            report_writer.close()
+            self.processes.append(process)
+            self.commands.append(command_writer)
+            self.reports.append(report_reader)
+        # A worker that fails while importing is reported here, not by a rendezvous timeout.
+        starting = dict(zip(self.reports, range(1, self.world_size)))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
+        while starting:
+            ready = wait([*starting, *sentinels], timeout=_START_TIMEOUT.total_seconds())
+            if not ready:
+                raise WorkerError(f"tensor-parallel worker rank(s) {sorted(starting.values())} did not start "
+                                  f"within {_START_TIMEOUT}")
+            for obj in ready:
+                if obj in starting:
+                    rank = starting.pop(obj)
+                    with contextlib.suppress(EOFError, OSError):
+                        if obj.recv() == _READY:
+                            continue
+                else:
+                    rank = sentinels[obj]
+                raise WorkerError(self._describe_failure(rank))
+        return self.store
+
+    def watch(self) -> None:
+        self._watchdog = threading.Thread(target=self._watch, name="glassbox-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        # After the start-up handshake a worker writes to its pipe only to report an error, and its
+        # sentinel fires only when it ends: either is a failure unless the engine is closing.
+        objects = [*self.reports, *(p.sentinel for p in self.processes)]
+        first = wait(objects)[0]
+        if not self.closing:
+            self._fail(self._describe_failure(objects.index(first) % (self.world_size - 1) + 1))
+
+    def _describe_failure(self, rank: int) -> str:
+        report, process = self.reports[rank - 1], self.processes[rank - 1]
+        with contextlib.suppress(EOFError, OSError):
+            if report.poll():
+                return report.recv()  # written just before the worker exits
+        process.join(_JOIN_TIMEOUT_S)
+        code = process.exitcode
+        if code is None:
+            return f"tensor-parallel worker rank {rank} (pid {process.pid}) closed its pipe but is still running"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}"
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        self.failed.set()
+        if self.backend == "nccl" and self.owns_process_group:
+            # An NCCL collective with a dead peer never completes: abort the communicators so that
+            # rank 0's pending work returns and the call can raise.
+            try:
+                dist.distributed_c10d._get_default_group().abort()
+            except Exception:
+                logger.exception("aborting the NCCL process group after a worker failure failed")
+
+    def send(self, payload: bytes) -> None:
+        for conn in self.commands:
+            conn.send_bytes(payload)
+
+    def shutdown(self) -> None:
+        self.closing = True
+        if self.failure is None and not self.out_of_step and self.owns_process_group:
+            for conn in self.commands:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(_EXIT)
+            # The workers tear their groups down now too (NCCL's teardown may wait for its peers).
+            self._release_process_group(orderly=True)
+            for process in self.processes:
+                process.join(_JOIN_TIMEOUT_S)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(_JOIN_TIMEOUT_S / 2)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._release_process_group(orderly=False)
+        if self._watchdog is not None:
+            self._watchdog.join()
+        for conn in (*self.commands, *self.reports):
+            conn.close()
+        self.store = None  # closes the rendezvous port
+
+    def _release_process_group(self, orderly: bool) -> None:
+        if not self.owns_process_group:
+            return
+        self.owns_process_group = False
+        if self.backend == "nccl" and not orderly:
+            # Peers are gone or stuck mid-collective: an orderly NCCL teardown would wait for them.
+            dist.distributed_c10d._abort_process_group()
+            self.graphs.clear()
+        else:
+            _release_cuda_graphs(self.graphs)
+            dist.destroy_process_group()
+
+
+def _release_cuda_graphs(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
+    """NCCL's orderly teardown waits until no CUDA graph holds its communicator: free them first."""
+    if graphs:
+        torch.cuda.synchronize()
+        graphs.clear()
+
+
+def _worker_main(rank: int, world_size: int, port: int, config: Config, model_config: Qwen3Config,
+                 commands: Connection, reports: Connection) -> None:
+    """A worker's life: join the group, build this rank's runner, then repeat rank 0's calls."""
+    # Ctrl-C in a terminal reaches every process of the foreground group; rank 0 decides when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, name="glassbox-tp-parent-watch", daemon=True).start()
+    try:
+        reports.send(_READY)
+        device = _rank_device(config, rank)
+        config.device = str(device)
+        if device.type == "cpu":
+            # The ranks compute at the same time on one machine's cores: share them rather than have
+            # every rank's thread pool claim them all (oversubscribed pools spin and crawl).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_START_TIMEOUT)
+        _init_process_group(device, rank, world_size, store)
+        runner = ModelRunner(config, model_config, rank=rank)
+        while (message := pickle.loads(commands.recv_bytes())) is not None:
+            fn, args = message
+            fn(runner, *args)
+        _release_cuda_graphs(runner.graphs)
+    except EOFError:  # rank 0 closed its end without a word: the engine process is gone
+        os._exit(1)
+    except BaseException as exc:
+        report = (f"tensor-parallel worker rank {rank} (pid {os.getpid()}) raised {type(exc).__name__}: {exc}"
+                  f"\n\nWorker traceback:\n{traceback.format_exc()}")
+        # Also on stderr, as multiprocessing does: rank 0 may be past hearing it.
+        print(report, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            reports.send(report)
+        # Exiting at once closes this rank's connections, which fails its peers' pending collectives;
+        # no interpreter teardown that might wait on them.
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    parent = parent_process()
+    if parent is not None:
+        wait([parent.sentinel])
+        os._exit(1)

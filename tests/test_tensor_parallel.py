@@ -1,0 +1,184 @@
+"""Tensor parallelism on the CPU (gloo): two ranks give the single rank's greedy tokens, and the
+worker processes fail loudly and shut down cleanly.
+
+DESIGN.md's greedy-equality rule as in test_engine: teacher-forced against transformers' float32
+argmax at every position whose top-2 gap is at least 1e-4 (exemptions counted), and free-running
+tokens equal exactly, here both to transformers' and to the single-rank engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError
+from engine.llm_engine import LLM
+from engine.model_runner import ModelRunner
+from engine.tensor_parallel import WorkerError
+from tests.test_engine import GAP, MAX_TOKENS, greedy, hf_model, prompts, reference, teacher_forced_mismatches  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank():
+    # Rank 0 (this process) and the worker share the machine's cores; each worker takes its share,
+    # and an oversubscribed thread pool here would spin against it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused_before_anything_starts(tiny_checkpoint):
+    # tiny: 8 attention heads, 4 KV heads, intermediate 512, vocabulary 4096.
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 must divide num_attention_heads=8, "
+                                          r"num_key_value_heads=4.*\[1, 2, 4\]"):
+        LLM(str(tiny_checkpoint), tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=8 must divide num_key_value_heads=4:"):
+        LLM(str(tiny_checkpoint), tensor_parallel_size=8)
+    assert not dist.is_initialized()
+
+
+SETTINGS = {
+    # Chunked prefill (24-token budget) and, on the repeat, prefix-cache hits.
+    "chunked_prefix_cache": {"kvcache_block_size": 16, "max_num_batched_tokens": 24},
+    "preemption": {"kvcache_block_size": 16, "num_kvcache_blocks": 9},
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_two_ranks_give_the_single_rank_greedy_tokens(name, tiny_checkpoint, prompts, reference, hf_model):
+    runs = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_checkpoint), tensor_parallel_size=tp, **SETTINGS[name]) as llm:
+            events = []
+            llm.events.subscribe(events.append)
+            first = [o["token_ids"] for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+            again = [o["token_ids"] for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+            runs[tp] = first, again, events
+            assert len(llm.scheduler.block_manager.free_block_ids) == llm.config.num_kvcache_blocks
+    first, again, events = runs[2]
+    exempt = 0
+    for prompt, ref, got in zip(prompts, reference, first):
+        mismatches, near_ties = teacher_forced_mismatches(hf_model, prompt, ref, got)
+        assert mismatches == 0
+        exempt += near_ties
+    assert exempt <= 0.03 * len(prompts) * MAX_TOKENS, f"{exempt} near-tie positions (gap < {GAP})"
+    assert first == again == reference == runs[1][0] == runs[1][1]
+    # Only rank 0 emits, and it makes the single rank's decisions.
+    started = [e for e in events if e.kind == "engine_started"]
+    assert len(started) == 1 and started[0].tensor_parallel_size == 2
+    assert [e.kind for e in events] == [e.kind for e in runs[1][2]]
+    kinds = {e.kind for e in events}
+    if name == "preemption":
+        assert "preempt" in kinds
+    else:
+        assert any(any(e.chunked) for e in events if e.kind == "schedule")
+        assert sum(e.hit_tokens for e in events if e.kind == "prefix_hit") > 0
+
+
+def test_shutdown_leaves_no_process_port_or_shared_memory(tiny_checkpoint, prompts):
+    shm_before = set(os.listdir("/dev/shm"))
+    with LLM(str(tiny_checkpoint), tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        llm.generate(prompts[:2], greedy(4), use_tqdm=False)
+        pids = llm.tp_group.worker_pids
+        port = llm.tp_group._workers.store.port
+        assert len(pids) == 1 and all(alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
+    assert [p.exitcode for p in llm.tp_group._workers.processes] == [0]  # told to exit, not killed
+    assert not dist.is_initialized()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    llm.close()  # idempotent
+
+
+def test_a_killed_worker_fails_the_engine_promptly(tiny_checkpoint, prompts):
+    with LLM(str(tiny_checkpoint), tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        llm.generate(prompts[:1], greedy(2), use_tqdm=False)
+        (pid,) = llm.tp_group.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.perf_counter()
+        with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
+            llm.generate(prompts, greedy(), use_tqdm=False)
+        assert time.perf_counter() - start < 10
+        with pytest.raises(WorkerError, match="SIGKILL"):  # and stays failed
+            llm.generate(prompts[:1], greedy(2), use_tqdm=False)
+        assert len(llm.scheduler.block_manager.free_block_ids) == llm.config.num_kvcache_blocks
+    assert not dist.is_initialized()
+
+
+def raise_on_workers(runner: ModelRunner) -> None:
+    """Called on every rank: the worker raises, rank 0 waits for it in a collective."""
+    if runner.rank != 0:
+        raise ValueError("injected worker failure")
+    dist.barrier()
+
+
+def test_a_raising_worker_fails_the_engine_with_its_error(tiny_checkpoint, prompts):
+    with LLM(str(tiny_checkpoint), tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        start = time.perf_counter()
+        with pytest.raises(WorkerError, match=r"(?s)rank 1 .* raised ValueError: injected worker failure.*"
+                                              r"Worker traceback:.*raise_on_workers"):
+            llm.tp_group.call(raise_on_workers)
+        assert time.perf_counter() - start < 10
+        with pytest.raises(WorkerError, match="injected worker failure"):
+            llm.generate(prompts[:1], greedy(2), use_tqdm=False)
+    assert not dist.is_initialized()
+
+
+OTHER_ENGINE = """
+import json, sys
+from engine.llm_engine import LLM
+from engine.sampling_params import SamplingParams
+
+if __name__ == "__main__":
+    prompts = json.loads(sys.argv[2])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+    tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    print(json.dumps({"tokens": tokens, "workers": llm.tp_group.worker_pids}), flush=True)
+    while True:  # until Ctrl-C
+        llm.generate(prompts, params, use_tqdm=False)
+"""
+
+
+def test_two_engines_side_by_side_and_ctrl_c_leaves_nothing(tiny_checkpoint, prompts, tmp_path):
+    script = tmp_path / "other_engine.py"
+    script.write_text(textwrap.dedent(OTHER_ENGINE))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with LLM(str(tiny_checkpoint), tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        other = subprocess.Popen([sys.executable, str(script), str(tiny_checkpoint), json.dumps(prompts)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            line = other.stdout.readline()
+            assert line, other.stderr.read()
+            result = json.loads(line)
+            # Both engines generate at once, each in its own process group on its own port.
+            mine = [o["token_ids"] for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+            assert result["tokens"] == mine
+            other.send_signal(signal.SIGINT)
+            _, stderr = other.communicate(timeout=30)
+        finally:
+            other.kill()
+        assert "KeyboardInterrupt" in stderr
+        assert not any(alive(pid) for pid in result["workers"])
