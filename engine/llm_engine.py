@@ -181,12 +181,15 @@ class LLMEngine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+        token_lists = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                self.scheduler.check(len(self._tokens(prompt)), sp.max_tokens)
+                token_ids = self._tokens(prompt)  # tokenised once, here
+                self.scheduler.check(len(token_ids), sp.max_tokens)
             except RequestRejectedError as exc:
                 raise RequestRejectedError(f"prompt {i}: {exc}") from None
-        request_ids = [self.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
+            token_lists.append(token_ids)
+        request_ids = [self.add_request(token_ids, sp) for token_ids, sp in zip(token_lists, params)]
         results: dict[int, list[int]] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0

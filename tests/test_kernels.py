@@ -39,7 +39,7 @@ def cpu() -> None:
 @pytest.fixture
 def gpu() -> None:
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+        pytest.fail("GPU tests need CUDA: run them with -m gpu on a GPU machine (CI deselects them)")
 
 
 # ---------------------------------------------------------------------------------------------
