@@ -166,12 +166,13 @@ class BlockManager:
             if self.events.active:
                 self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=(block_id,), refcounts=(1,))
 
-    def hash_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that this step's ``num_scheduled_tokens`` completed (prompt or generated)."""
+    def hash_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Register the blocks that ``num_new_tokens`` newly computed tokens (prompt or generated)
+        completed, before ``seq.num_cached_tokens`` counts them."""
         if not self.enable_prefix_caching:
             return
         start = seq.num_cached_tokens // self.block_size
-        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        end = (seq.num_cached_tokens + num_new_tokens) // self.block_size
         if start == end:
             return
         parent = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH

@@ -36,6 +36,8 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    # Schedule and prepare decode step n+1 while the GPU runs step n (see engine.llm_engine).
+    async_scheduling: bool = True
     eos: int = -1
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1

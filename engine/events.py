@@ -251,7 +251,9 @@ Subscriber = Callable[[Event], None]
 class EventBus:
     """Synchronous fan-out of events to subscribers.
 
-    ``step`` is set by the engine at the start of each step and stamped on every event. Subscribing
+    ``step`` is set by the engine at the start of each step and stamped on every event; what a
+    step's results cause (its tokens, finishes, freed blocks and ``Step`` event) carries that step's
+    number even when, with asynchronous scheduling, it lands while the next step is being launched. Subscribing
     and unsubscribing are safe from other threads: the subscriber tuple is replaced, never mutated.
     """
 

@@ -225,6 +225,7 @@ class LiveEngine:
                     self.workload_time += (now - last) * self.rate_scale
                 last = now
                 if self.paused and not single:
+                    self._follow_up(self.llm.drain())  # a paused engine shows every launched step landed
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -236,6 +237,8 @@ class LiveEngine:
                 if single:
                     self._single_steps -= 1
                 outputs, _ = self.llm.step()
+                if single:  # a single step is shown whole: its tokens land before the engine pauses
+                    outputs += self.llm.drain()
                 self._follow_up(outputs)
         except BaseException as exc:  # reported, never swallowed: the loop stops and says why
             self.error = exc
@@ -248,6 +251,8 @@ class LiveEngine:
     def _release(self, error: BaseException | None) -> None:
         for seq in [*self.llm.scheduler.waiting, *self.llm.scheduler.running]:
             self.llm.abort_request(seq.seq_id)
+        if error is None:
+            self.llm.drain()  # nothing of it is wanted: only the engine is left clean
         for handle in list(self._handles.values()):
             handle._finish("abort" if error is None else "error", error)
         self._handles.clear()

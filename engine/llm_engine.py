@@ -1,8 +1,10 @@
 """The engine loop and the vLLM-compatible ``LLM`` facade.
 
-``step()`` is one iteration of continuous batching: schedule, run the model, postprocess. Every
-decision along the way is published on ``self.events``; the engine itself never formats, exports or
-stores telemetry.
+``step()`` is one iteration of continuous batching: schedule, launch the model, postprocess. With
+``async_scheduling`` (the default) a decode step's postprocessing waits until the next step is
+launched: the host schedules and prepares step n+1 while the GPU computes step n, and the tokens of
+step n reach step n+1's inputs on the GPU. Every decision along the way is published on
+``self.events``; the engine itself never formats, exports or stores telemetry.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
 from engine.config import Config, ConfigError
 from engine.events import EngineStarted, EventBus, RequestArrived, RequestRejected, Step
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejectedError, Scheduler
+from engine.scheduler import RequestRejectedError, ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.tensor_parallel import TensorParallelGroup, check_parallel_config
 from models.config import load_qwen3_config
@@ -25,6 +28,17 @@ from models.config import load_qwen3_config
 Prompt = str | list[int]
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    launched: LaunchedStep
+    number: int  # the engine step that launched it
+    start: float  # when its scheduling began
+    schedule_s: float
 
 
 class LLMEngine:
@@ -52,6 +66,8 @@ class LLMEngine:
         try:
             self.scheduler = Scheduler(config, self.events)
             self._seqs: dict[int, Sequence] = {}
+            self._in_flight: _InFlight | None = None
+            self._last_completion = 0.0
             self.events.announce(
                 EngineStarted, model=config.model, **self.model_runner.describe(),
                 block_size=config.kvcache_block_size, num_blocks=config.num_kvcache_blocks,
@@ -127,47 +143,103 @@ class LLMEngine:
         return seq is not None
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     # --- the loop -----------------------------------------------------------------------------
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """One engine iteration. Returns the requests that finished as ``(request_id, token_ids)``
-        and the number of tokens processed: positive for a prefill, minus the batch size for a decode."""
-        t0 = time.perf_counter()
+        and the number of tokens launched: positive for a prefill, minus the batch size for a decode.
+
+        With asynchronous scheduling a decode step's results are read in the next call, after that
+        call has launched its own step; a step that launches nothing collects what is in flight."""
+        start = time.perf_counter()
         self.events.step += 1
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return [], 0
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        t1 = time.perf_counter()
-        try:
-            if self.tp_group is None:
-                token_ids = self.model_runner.run(seqs, is_prefill)
+        batch = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - start
+        previous, self._in_flight = self._in_flight, None
+        finished: list[Sequence] = []
+        if batch:
+            try:
+                launched = self._launch(batch)
+            except Exception:
+                self._in_flight = previous  # still to be collected
+                raise
+            current = _InFlight(batch, launched, self.events.step, start, schedule_s)
+            if previous is not None:
+                finished += self._complete(previous)
+            # A prefill completes at once: its requests' next step must see their computed tokens.
+            if batch.is_prefill or not self.config.async_scheduling:
+                finished += self._complete(current)
             else:
-                token_ids = self.tp_group.call(ModelRunner.run, seqs, is_prefill)
-        except Exception:
-            # The batch is lost, the engine is not (unless its tensor-parallel ranks fell out of step,
-            # which the group reports on every later call): fail these requests and free their blocks.
-            for seq in seqs:
-                self.scheduler.abort(seq.seq_id, reason="error")
-                self._seqs.pop(seq.seq_id, None)
-            raise
-        t2 = time.perf_counter()
-        finished = self.scheduler.postprocess(seqs, token_ids, is_prefill)
+                self._in_flight = current
+        elif previous is not None:
+            finished += self._complete(previous)
         outputs = [(seq.seq_id, seq.completion_token_ids) for seq in finished]
         for seq in finished:
             del self._seqs[seq.seq_id]
-        t3 = time.perf_counter()
+        if not batch:
+            return outputs, 0
+        return outputs, sum(batch.num_tokens) if batch.is_prefill else -len(batch.seqs)
+
+    def drain(self) -> list[tuple[int, list[int]]]:
+        """Collect the step in flight, if any: afterwards every launched step has landed (for
+        single-stepping, and before handing the engine over). Returns the requests it finished."""
+        step, self._in_flight = self._in_flight, None
+        finished = self._complete(step) if step is not None else []
+        for seq in finished:
+            del self._seqs[seq.seq_id]
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished]
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        try:
+            if self.tp_group is None:
+                launched = self.model_runner.launch(batch.seqs, batch.is_prefill)
+            else:
+                launched = self.tp_group.call(ModelRunner.launch, batch.seqs, batch.is_prefill)
+        except Exception:
+            self._fail(batch)
+            raise
+        self.scheduler.expect_tokens(batch)
+        return launched
+
+    def _complete(self, step: _InFlight) -> list[Sequence]:
+        """Wait for a launched step's tokens and postprocess them; returns the requests it finished."""
+        try:
+            token_ids = step.launched.token_ids()
+        except Exception:
+            self._fail(step.batch)
+            raise
+        # What a step's results cause (tokens, finishes, freed blocks, its Step event) is stamped
+        # with that step's number, also when it lands during the next step.
+        now_stepping, self.events.step = self.events.step, step.number
+        try:
+            return self._postprocess(step, token_ids)
+        finally:
+            self.events.step = now_stepping
+
+    def _postprocess(self, step: _InFlight, token_ids: list[int]) -> list[Sequence]:
+        t = time.perf_counter()
+        finished = self.scheduler.postprocess(step.batch, token_ids)
+        end = time.perf_counter()
         if self.events.active:
-            timing = self.model_runner.timing
+            batch, launched = step.batch, step.launched
             self.events.emit(
-                Step, phase="prefill" if is_prefill else "decode", num_seqs=len(seqs),
-                num_prefill_tokens=num_tokens if is_prefill else 0,
-                num_decode_tokens=0 if is_prefill else len(seqs), duration_s=t3 - t0,
-                schedule_s=t1 - t0, prepare_s=timing.prepare_s, forward_s=timing.forward_s,
-                sample_s=timing.sample_s, postprocess_s=t3 - t2, padded_batch_size=timing.padded_batch_size)
-        return outputs, num_tokens
+                Step, phase="prefill" if batch.is_prefill else "decode", num_seqs=len(batch.seqs),
+                num_prefill_tokens=sum(batch.num_tokens) if batch.is_prefill else 0,
+                num_decode_tokens=0 if batch.is_prefill else len(batch.seqs),
+                duration_s=end - max(step.start, self._last_completion), schedule_s=step.schedule_s,
+                prepare_s=launched.prepare_s, forward_s=launched.launch_s, sample_s=launched.wait_s,
+                postprocess_s=end - t, padded_batch_size=launched.padded_batch_size)
+        self._last_completion = end
+        return finished
+
+    def _fail(self, batch: ScheduledBatch) -> None:
+        # The batch is lost, the engine is not (unless its tensor-parallel ranks fell out of step,
+        # which the group reports on every later call): fail these requests and free their blocks.
+        for seq in batch.seqs:
+            self.scheduler.abort(seq.seq_id, reason="error")
+            self._seqs.pop(seq.seq_id, None)
 
     def generate(self, prompts: SequenceOf[Prompt], sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:

@@ -1,9 +1,14 @@
 """Runs the model for one scheduled batch: inputs, KV cache, attention backend, sampling.
 
-One runner per tensor-parallel rank; rank 0 samples. The runner owns the KV pool: one tensor
-``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` whose per-layer views are handed to the
-attention layers. Per step it turns the scheduler's sequences into a flat token batch plus the
-attention metadata (``models.context``) and returns the sampled token ids.
+One runner per tensor-parallel rank; rank 0 samples and broadcasts the sampled ids. The runner
+owns the KV pool: one tensor ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` whose
+per-layer views are handed to the attention layers. Per step it turns the scheduler's sequences
+into a flat token batch plus the attention metadata (``models.context``), launches the forward and
+the sampler without waiting for them, and hands back a ``LaunchedStep`` whose ``token_ids()`` waits.
+
+Every rank keeps the last step's sampled ids on its device (``sampled``): a decode input that is
+still a placeholder on the host (its step was in flight when this one was scheduled) is read from
+there, so the host never waits for a step before launching the next.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from engine.config import Config
+from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
 from models.context import Context, get_context, reset_context, set_context
@@ -62,14 +68,24 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass(slots=True)
-class StepTiming:
-    """Host seconds spent in each part of ``ModelRunner.run``; ``padded_batch_size`` is set when the
-    step replayed a CUDA graph."""
+class LaunchedStep:
+    """Rank 0's handle on a launched step: ``token_ids()`` waits for its samples. Host seconds spent
+    preparing inputs, launching (forward and sampler) and waiting; ``padded_batch_size`` is set when
+    the step replayed a CUDA graph."""
 
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    padded_batch_size: int | None = None
+    samples: torch.Tensor  # on the host once ``ready`` has fired
+    ready: torch.cuda.Event | None  # None on the CPU, where the samples are already there
+    prepare_s: float
+    launch_s: float
+    padded_batch_size: int | None
+    wait_s: float = 0.0
+
+    def token_ids(self) -> list[int]:
+        t = time.perf_counter()
+        if self.ready is not None:
+            self.ready.synchronize()
+        self.wait_s = time.perf_counter() - t
+        return self.samples.tolist()
 
 
 class ModelRunner:
@@ -90,10 +106,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.timing = StepTiming()
         self.allocate_kv_cache()
+        max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, max_blocks_per_seq, self.device)
+        # The last step's sampled ids (row i: its i-th sequence), and which request had which row.
+        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        self.sample_rows: dict[int, int] = {}
         # Filled by capture_cudagraph(), which the engine calls once it has announced itself.
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_bs: list[int] = []
+        self.graph_outputs: torch.Tensor | None = None
 
     @property
     def uses_cudagraphs(self) -> bool:
@@ -207,106 +229,106 @@ class ModelRunner:
         ))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.block_size
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
-        slot_mapping = [seq.block_table[-1] * bs + seq.last_block_num_tokens - 1 for seq in seqs]
-        set_context(Context(
-            is_prefill=False,
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._block_tables(seqs),
-        ))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+    def prepare_decode(self, seqs: list[Sequence]) -> int:
+        """Stage the decode inputs (padded to the CUDA graph that will run them); returns the rows."""
+        num_rows = len(seqs)
+        if self.graphs and num_rows <= self.graph_bs[-1]:
+            num_rows = next(size for size in self.graph_bs if size >= num_rows)
+        self.decode_inputs.stage(seqs, num_rows, self.sample_rows, self.block_size)
+        return num_rows
+
+    def decode_forward(self, num_rows: int) -> torch.Tensor:
+        """The forward over the first ``num_rows`` staged decode rows: what each CUDA graph captures."""
+        inputs = self.decode_inputs
+        rows = inputs.view("sample_rows", num_rows)
+        # A token the previous step was still sampling when this one was prepared is read on the device.
+        input_ids = torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], inputs.view("token_ids", num_rows))
+        set_context(Context(is_prefill=False, slot_mapping=inputs.view("slot_mapping", num_rows),
+                            context_lens=inputs.view("context_lens", num_rows),
+                            block_tables=inputs.view("block_tables", num_rows)))
+        try:
+            return self.model(input_ids, inputs.view("positions", num_rows))
+        finally:
+            reset_context()
 
     # --- CUDA graphs --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        """Capture the decode forward for each size of ``graph_batch_sizes``, largest first, all in
-        one memory pool. Replays read their inputs from static buffers that ``run_model`` fills."""
-        config = self.config
-        self.graph_bs = graph_batch_sizes(config.max_num_seqs)
-        max_bs = self.graph_bs[-1]
-        max_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
+        """Capture ``decode_forward`` for each size of ``graph_batch_sizes``, largest first, all in one
+        memory pool. Replays read the staged inputs in place and write ``graph_outputs``."""
         device = self.device
-        self.graph_vars = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=device),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=device),
-            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=device),
-            "block_tables": torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device),
-            "outputs": torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.dtype, device=device),
-        }
-        gv = self.graph_vars
+        self.graph_bs = graph_batch_sizes(self.config.max_num_seqs)
+        self.graph_outputs = torch.zeros(self.graph_bs[-1], self.model_config.hidden_size, dtype=self.dtype,
+                                         device=device)
+        # Captured with every row as padding (slot -1, length 0): no cache entry is touched.
+        self.decode_inputs.stage([], self.graph_bs[-1], {}, self.block_size)
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = None
         for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="Capturing CUDA graphs",
                        disable=self.rank != 0, leave=False):
-            set_context(Context(is_prefill=False, slot_mapping=gv["slot_mapping"][:bs],
-                                context_lens=gv["context_lens"][:bs], block_tables=gv["block_tables"][:bs]))
             # One eager run first: kernels compile and allocate outside the capture.
-            gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])
+            self.graph_outputs[:bs] = self.decode_forward(bs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])
+                self.graph_outputs[:bs] = self.decode_forward(bs)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
-            reset_context()
         torch.cuda.synchronize(device)
         pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.events.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_bs),
                              seconds=time.perf_counter() - start, pool_bytes=pool_bytes)
 
-    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-        bs = input_ids.size(0)
-        padded = next(size for size in self.graph_bs if size >= bs)
-        context = get_context()
-        gv = self.graph_vars
-        gv["input_ids"][:bs] = input_ids
-        gv["positions"][:bs] = positions
-        # Padding rows write nowhere (slot -1) and attend to nothing (length 0).
-        gv["slot_mapping"].fill_(-1)
-        gv["slot_mapping"][:bs] = context.slot_mapping
-        gv["context_lens"].zero_()
-        gv["context_lens"][:bs] = context.context_lens
-        gv["block_tables"][:bs, : context.block_tables.size(1)] = context.block_tables
-        self.graphs[padded].replay()
-        if self.events.active:
-            self.events.emit(CudaGraphReplay, batch_size=bs, padded_batch_size=padded)
-        return gv["outputs"][:bs], padded
-
     # --- the step -----------------------------------------------------------------------------
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        """Hidden states -> logits; decode batches that fit a captured graph replay it."""
-        if not is_prefill and self.graphs and input_ids.size(0) <= self.graph_bs[-1]:
-            hidden, self.timing.padded_batch_size = self._replay(input_ids, positions)
-        else:
-            hidden = self.model(input_ids, positions)
-        return self.model.compute_logits(hidden)
+    def _decode_logits(self, num_rows: int, num_seqs: int) -> torch.Tensor:
+        if num_rows not in self.graphs:
+            return self.model.compute_logits(self.decode_forward(num_rows)[:num_seqs])
+        self.graphs[num_rows].replay()
+        if self.events.active:
+            self.events.emit(CudaGraphReplay, batch_size=num_seqs, padded_batch_size=num_rows)
+        return self.model.compute_logits(self.graph_outputs[:num_seqs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Compute the scheduled tokens of ``seqs`` and return one sampled token id per sequence."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep | None:
+        """Compute the scheduled tokens of ``seqs`` and sample one token id per sequence, without
+        waiting for the device. Rank 0 returns the handle to read the ids with; other ranks None."""
         t0 = time.perf_counter()
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32) if self.rank == 0 else None
-        t1 = time.perf_counter()
-        self.timing = StepTiming()
-        try:
-            logits = self.run_model(input_ids, positions, is_prefill)
-        finally:
-            reset_context()
-        t2 = time.perf_counter()
-        token_ids = self.sampler(logits, temperatures, self.generator).tolist() if self.rank == 0 else []
-        t3 = time.perf_counter()
-        self.timing.prepare_s, self.timing.forward_s, self.timing.sample_s = t1 - t0, t2 - t1, t3 - t2
-        return token_ids
+        n = len(seqs)
+        padded_batch_size = None
+        if is_prefill:
+            input_ids, positions = self.prepare_prefill(seqs)
+            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
+            t1 = time.perf_counter()
+            try:
+                logits = self.model.compute_logits(self.model(input_ids, positions))
+            finally:
+                reset_context()
+        else:
+            num_rows = self.prepare_decode(seqs)
+            temperatures = self.decode_inputs.view("temperatures", n)
+            t1 = time.perf_counter()
+            logits = self._decode_logits(num_rows, n)
+            if num_rows in self.graphs:
+                padded_batch_size = num_rows
+        if self.rank == 0:
+            self.sampled[:n] = self.sampler(logits, temperatures, self.generator)
+        if self.config.tensor_parallel_size > 1:
+            dist.broadcast(self.sampled[:n], src=0)
+        self.sample_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        if self.rank != 0:
+            return None
+        if self.device.type == "cuda":
+            samples = torch.empty(n, dtype=torch.int32, pin_memory=True)
+            samples.copy_(self.sampled[:n], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            samples, ready = self.sampled[:n].clone(), None
+        return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
+                            padded_batch_size=padded_batch_size)
 
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": dtype_name(self.dtype), "attention_backend": self.backend.name}

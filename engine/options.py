@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks to shard the model over: GPUs on CUDA, processes on the CPU (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (no host/GPU overlap)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     parser.set_defaults(**defaults)
 
@@ -61,7 +63,8 @@ def build_llm(args: argparse.Namespace):
     return LLM(str(model_dir(args)), device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
                num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
+               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+               enable_prefix_caching=not args.no_prefix_caching,
                tensor_parallel_size=args.tensor_parallel_size)
 
 

@@ -6,21 +6,42 @@ chunked when its prompt exceeds the budget, and joins ``running`` only after its
 nothing to prefill, every running request decodes one token; when the pool runs out, the youngest
 running request is preempted (its blocks freed, its K/V to be recomputed) and goes to the front of
 the waiting queue. Prefill and decode never share a step.
+
+A step's results may land after the next step is scheduled (the engine's asynchronous scheduling):
+``expect_tokens`` stands a placeholder in for each token a launched step samples, so lengths and
+block needs are right before the ids are known, and ``postprocess`` fills them in. A request whose
+last token is in flight is not scheduled again.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.events import EventBus, FirstToken, Preempt, RequestFinished, Schedule, Tokens
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 class RequestRejectedError(ValueError):
     """A request that can never be served under this configuration; the engine keeps serving."""
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work. ``num_tokens[i]`` is what ``seqs[i]`` computes; ``sample_index[i]`` is where
+    its sampled token goes in its ``token_ids`` (-1 for a mid-prompt chunk, whose sample is dropped),
+    set by ``Scheduler.expect_tokens``."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_tokens: list[int]
+    sample_index: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
 
 
 class Scheduler:
@@ -64,8 +85,8 @@ class Scheduler:
         self.check(seq.num_prompt_tokens, seq.max_tokens)
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The batch for the next step and whether it is a prefill; an empty batch means idle."""
+    def schedule(self) -> ScheduledBatch:
+        """The batch for the next step; an empty batch means idle."""
         now = time.perf_counter()
         scheduled: list[Sequence] = []
         chunked: list[bool] = []
@@ -104,10 +125,14 @@ class Scheduler:
             self.running.append(seq)
         if scheduled:
             self._emit_schedule("prefill", scheduled, chunked)
-            return scheduled, True
+            return ScheduledBatch(scheduled, True, [seq.num_scheduled_tokens for seq in scheduled])
 
+        kept: list[Sequence] = []  # in their running order: scheduled ones and those awaiting their last token
         while self.running:
             seq = self.running.popleft()
+            if self._last_token_in_flight(seq):
+                kept.append(seq)
+                continue
             while not bm.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop(), for_seq=seq)
@@ -119,10 +144,16 @@ class Scheduler:
                 seq.is_prefill = False
                 bm.may_append(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                kept.append(seq)
+        self.running.extendleft(reversed(kept))
         if scheduled:
             self._emit_schedule("decode", scheduled, [False] * len(scheduled))
-        return scheduled, False
+        return ScheduledBatch(scheduled, False, [1] * len(scheduled))
+
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """Whether the token a step in flight is sampling for ``seq`` is its last (by length: a stop
+        token is only known once it lands)."""
+        return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _emit_schedule(self, phase: str, seqs: list[Sequence], chunked: list[bool]) -> None:
         if self.events.active:
@@ -142,20 +173,38 @@ class Scheduler:
             self.events.emit(Preempt, request_id=seq.seq_id, num_tokens=seq.num_tokens, freed_blocks=freed,
                              for_request_id=for_seq.seq_id)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
-        """Record a step's results: cache the blocks it filled, append sampled tokens (except for
-        mid-prompt chunks) and retire finished requests. Returns the requests that finished."""
+    def expect_tokens(self, batch: ScheduledBatch) -> None:
+        """The batch is launched: stand a placeholder in for each token it will sample, so that the
+        next step can be scheduled before the ids reach the host."""
+        batch.sample_index = []
+        for seq, num_tokens in zip(batch.seqs, batch.num_tokens):
+            # (A prefill's requests are never in flight, so their num_cached_tokens is current.)
+            if batch.is_prefill and seq.num_cached_tokens + num_tokens < seq.num_tokens:
+                batch.sample_index.append(-1)  # a chunk short of the prompt's end: its sample means nothing
+            else:
+                batch.sample_index.append(seq.num_tokens)
+                seq.append_token(PLACEHOLDER)
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Record a step's results: cache the blocks it filled, fill in the sampled tokens and retire
+        finished requests. Returns the requests that finished.
+
+        Requests may have moved on since the batch was launched: one aborted, or finished by the
+        previous step's stop token, is skipped; one preempted keeps its token but no longer its
+        blocks."""
         now = time.perf_counter()
         finished = []
         produced_ids, produced_tokens = [], []
         bm = self.block_manager
-        for seq, token_id in zip(seqs, token_ids):
-            bm.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
-                continue  # a chunk short of the prompt's end: its sample means nothing
-            seq.append_token(token_id)
+        for seq, num_tokens, index, token_id in zip(batch.seqs, batch.num_tokens, batch.sample_index, token_ids):
+            if seq.is_finished:
+                continue
+            if seq.block_table:
+                bm.hash_blocks(seq, num_tokens)
+                seq.num_cached_tokens += num_tokens
+            if index < 0:
+                continue
+            seq.set_token(index, token_id)
             produced_ids.append(seq.seq_id)
             produced_tokens.append(token_id)
             if seq.first_token_time is None:
@@ -164,17 +213,18 @@ class Scheduler:
                     self.events.emit(FirstToken, request_id=seq.seq_id)
             if not seq.ignore_eos and token_id == self.eos:
                 seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif index + 1 - seq.num_prompt_tokens >= seq.max_tokens or index + 1 >= self.max_model_len:
                 seq.finish_reason = "length"
             else:
                 continue
+            seq.truncate(index + 1)  # a token sampled after this one, still in flight, is not wanted
             finished.append(seq)
         # Tokens first, then the requests they finished: a consumer sees every token of a request
         # before it hears the request is over.
         if self.events.active and produced_ids:
             self.events.emit(Tokens, request_ids=tuple(produced_ids), token_ids=tuple(produced_tokens))
         for seq in finished:
-            self.running.remove(seq)
+            (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
             self._finish(seq, seq.finish_reason, now)
         return finished
 
@@ -189,6 +239,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.truncate(seq.num_known_tokens)  # an aborted request drops the tokens still in flight
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = now

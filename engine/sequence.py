@@ -7,6 +7,10 @@ from itertools import count
 
 from engine.sampling_params import SamplingParams
 
+# Stands for a token that a launched step is sampling but whose id has not reached the host yet
+# (see ``Scheduler.expect_tokens``); never a real token id.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -18,7 +22,9 @@ class Sequence:
     """Token ids plus the bookkeeping the scheduler, block manager and telemetry need.
 
     ``num_cached_tokens`` counts tokens whose K/V are in the cache (prefix hits and computed chunks);
-    ``num_scheduled_tokens`` is how many this step computes. Times are ``time.perf_counter()`` seconds.
+    ``num_scheduled_tokens`` is how many this step computes. While a step is in flight its sampled
+    token is a ``PLACEHOLDER`` at the end of ``token_ids``, counted in ``num_tokens``, until
+    ``set_token`` fills it in. Times are ``time.perf_counter()`` seconds.
     """
 
     counter = count()
@@ -99,6 +105,26 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
+    def set_token(self, index: int, token_id: int) -> None:
+        """Fill in the placeholder at ``index`` with the token that was sampled for it."""
+        self.token_ids[index] = token_id
+        if index == self.num_tokens - 1:
+            self.last_token = token_id
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens: drops placeholders a finished request will not need."""
+        del self.token_ids[num_tokens:]
+        self.num_tokens = len(self.token_ids)
+        self.last_token = self.token_ids[-1]
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens up to the first placeholder."""
+        n = self.num_tokens
+        while self.token_ids[n - 1] == PLACEHOLDER:
+            n -= 1
+        return n
 
     # Worker processes only need what the forward pass reads; a decode step ships the last token
     # instead of the whole history, which keeps tensor-parallel calls small.

@@ -7,21 +7,25 @@ from collections import Counter
 from engine.config import Config
 from engine.events import Event, EventBus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import PLACEHOLDER, Sequence
 
 VOCAB = 1000
 
 
-def fake_token(seq: Sequence) -> int:
+def fake_token(token_ids: list[int]) -> int:
     """A deterministic 'model': the next token depends only on the sequence's tokens so far."""
-    return (sum(seq.token_ids) * 31 + seq.num_tokens * 7) % VOCAB
+    return (sum(token_ids) * 31 + len(token_ids) * 7) % VOCAB
 
 
 class FakeEngine:
-    """schedule -> fake forward -> postprocess, with every event recorded."""
+    """schedule -> fake forward -> expect_tokens -> postprocess, with every event recorded.
 
-    def __init__(self, **config_overrides) -> None:
+    With ``overlap`` a decode step is postprocessed only after the next step is launched, as the
+    engine's asynchronous scheduling does; the fake 'device' resolves placeholders from the samples
+    of the step in flight, as the model runner does on the GPU."""
+
+    def __init__(self, overlap: bool = False, **config_overrides) -> None:
         defaults = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=256,
                         max_num_seqs=8, max_model_len=1024, eos=VOCAB)  # eos outside the vocab: never hit
         defaults.update(config_overrides)
@@ -33,6 +37,8 @@ class FakeEngine:
         self.finished: list[Sequence] = []
         self.all_seqs: list[Sequence] = []
         self.steps = 0
+        self.overlap = overlap
+        self.in_flight: tuple[ScheduledBatch, list[int]] | None = None
 
     def add(self, prompt: list[int], max_tokens: int = 8, ignore_eos: bool = True, temperature: float = 0.0,
             arrival_time: float = 0.0) -> Sequence:
@@ -42,18 +48,46 @@ class FakeEngine:
         self.all_seqs.append(seq)
         return seq
 
+    def _forward(self, batch: ScheduledBatch, previous: tuple[ScheduledBatch, list[int]] | None) -> list[int]:
+        in_flight = {}
+        if previous is not None:
+            in_flight = {seq.seq_id: token for seq, token in zip(*previous)}
+        tokens = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            history = seq.token_ids[: seq.num_cached_tokens + n] if batch.is_prefill else list(seq.token_ids)
+            if history[-1] == PLACEHOLDER:
+                assert not batch.is_prefill, "a prefill read a token that was not known yet"
+                history[-1] = in_flight[seq.seq_id]
+            assert PLACEHOLDER not in history, f"request {seq.seq_id} computes an unknown token"
+            tokens.append(fake_token(history))
+        return tokens
+
     def step(self) -> tuple[list[Sequence], bool]:
         self.steps += 1
         self.bus.step = self.steps
-        seqs, is_prefill = self.scheduler.schedule()
-        tokens = [fake_token(s) for s in seqs]
-        self.finished += self.scheduler.postprocess(seqs, tokens, is_prefill)
-        return seqs, is_prefill
+        batch = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        if batch:
+            tokens = self._forward(batch, (previous[0].seqs, previous[1]) if previous else None)
+            self.scheduler.expect_tokens(batch)
+            if previous is not None:
+                self.finished += self.scheduler.postprocess(*previous)
+            if batch.is_prefill or not self.overlap:
+                self.finished += self.scheduler.postprocess(batch, tokens)
+            else:
+                self.in_flight = (batch, tokens)
+        elif previous is not None:
+            self.finished += self.scheduler.postprocess(*previous)
+        return batch.seqs, batch.is_prefill
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished() and self.in_flight is None
 
     def run(self, max_steps: int = 10_000, check: bool = True) -> None:
-        while not self.scheduler.is_finished():
+        while not self.is_finished():
+            collects = self.in_flight is not None
             seqs, _ = self.step()
-            assert seqs, "the scheduler returned an empty batch with work left: it would spin"
+            assert seqs or collects, "the scheduler returned an empty batch with work left: it would spin"
             if check:
                 check_invariants(self)
             assert self.steps < max_steps, "no progress"

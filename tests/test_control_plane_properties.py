@@ -21,7 +21,7 @@ requests = st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=requests,
     block_size=st.sampled_from([16, 32]),
@@ -31,17 +31,19 @@ requests = st.lists(
     prefix_caching=st.booleans(),
     eos=st.integers(0, VOCAB),
     seed=st.integers(0, 1000),
+    overlap=st.booleans(),
 )
 def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, max_num_seqs, prefix_caching,
-                                          eos, seed):
-    engine = FakeEngine(kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
+                                          eos, seed, overlap):
+    # overlap: each decode step is postprocessed after the next one is scheduled and launched.
+    engine = FakeEngine(overlap=overlap, kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
                         max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                         enable_prefix_caching=prefix_caching, eos=eos, max_model_len=160)
     prefixes = {p: [(seed + p * 97 + i * 13) % VOCAB for i in range(p * 20)] for p in range(4)}
     pending = sorted(enumerate(reqs), key=lambda r: r[1][4])
     accepted, rejected = [], 0
     steps = 0
-    while pending or not engine.scheduler.is_finished():
+    while pending or not engine.is_finished():
         while pending and pending[0][1][4] <= steps:
             i, (prefix, own, max_tokens, ignore_eos, _) = pending.pop(0)
             prompt = prefixes[prefix] + [(seed + i * 7 + j) % VOCAB for j in range(own)]
@@ -51,11 +53,12 @@ def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, 
                 rejected += 1
                 assert engine.scheduler.block_manager.blocks_needed(
                     engine.scheduler.max_kv_tokens(len(prompt), max_tokens)) > num_blocks
+        collects = engine.in_flight is not None
         seqs, _ = engine.step()
         steps += 1
         check_invariants(engine)
         if not seqs:
-            assert engine.scheduler.is_finished(), "idle with work left"
+            assert collects or engine.is_finished(), "idle with work left"
         assert steps < 5000, "no progress"
 
     bm = engine.scheduler.block_manager

@@ -183,7 +183,7 @@ def test_consumer_errors_are_contained_and_engine_errors_reported(tiny_checkpoin
     def explode(seqs, is_prefill):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(llm.model_runner, "run", explode)
+    monkeypatch.setattr(llm.model_runner, "launch", explode)
     handle = live.submit([1, 2, 3], SamplingParams(max_tokens=5))
     with pytest.raises(RuntimeError, match="device lost"):
         handle.result(timeout=10)
