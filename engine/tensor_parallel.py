@@ -17,6 +17,12 @@ CPU) keep the ranks in step.
   makes gloo collectives fail at once; NCCL ones would wait forever, so the watchdog aborts the NCCL
   communicators. Either way the call raises ``WorkerError`` with the worker's error, and after any
   failed call the ranks are out of step: the group refuses further calls until it is closed.
+- CUDA graphs: the decode graphs hold the NCCL communicator (NCCL >= 2.26 counts the graphs that
+  captured its collectives), and both its orderly teardown and its abort wait until every such graph
+  is destroyed, while destroying a graph waits for its kernels. Shutdown destroys the graphs, then
+  the group. An abort runs on a thread of its own, since only it stops a kernel stuck on a dead peer,
+  while the graphs are destroyed beside it; rank 0's graphs sit behind a lock so that the watchdog
+  never destroys one that the engine thread is launching.
 - Shutdown (``close()``, at interpreter exit, or when the group is garbage-collected): workers in
   step are told to exit and joined; the others, and stragglers, are terminated. The process group is
   destroyed and the store's port closed. Workers ignore Ctrl-C (rank 0 decides when they stop) and
@@ -130,7 +136,8 @@ class TensorParallelGroup:
             self._workers.watch()
             with self._in_step():
                 self.runner = ModelRunner(config, model_config, rank=0, events=events)
-            self._workers.graphs = self.runner.graphs
+            # The runner captures into this dict later; the workers' side destroys what it holds.
+            self.runner.graphs = self._workers.graphs
         except BaseException:
             self.close()
             raise
@@ -186,8 +193,8 @@ class _Workers:
         self.commands: list[Connection] = []  # rank 0 -> worker: pickled calls
         self.reports: list[Connection] = []  # worker -> rank 0: "ready", then only an error report
         self.store: dist.TCPStore | None = None
-        # Rank 0's captured CUDA graphs (the runner's own dict), released before the process group.
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Rank 0's captured CUDA graphs (installed as the runner's dict), destroyed before the group.
+        self.graphs = _GuardedGraphs()
         self.owns_process_group = False
         self.failure: str | None = None
         self.failed = threading.Event()
@@ -263,7 +270,8 @@ class _Workers:
             # An NCCL collective with a dead peer never completes: abort the communicators so that
             # rank 0's pending work returns and the call can raise.
             try:
-                dist.distributed_c10d._get_default_group().abort()
+                _abort_destroying_graphs(lambda: dist.distributed_c10d._get_default_group().abort(),
+                                         self.graphs)
             except Exception:
                 logger.exception("aborting the NCCL process group after a worker failure failed")
 
@@ -301,18 +309,88 @@ class _Workers:
         self.owns_process_group = False
         if self.backend == "nccl" and not orderly:
             # Peers are gone or stuck mid-collective: an orderly NCCL teardown would wait for them.
-            dist.distributed_c10d._abort_process_group()
-            self.graphs.clear()
+            _abort_destroying_graphs(dist.distributed_c10d._abort_process_group, self.graphs)
         else:
             _release_cuda_graphs(self.graphs)
             dist.destroy_process_group()
 
 
-def _release_cuda_graphs(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
-    """NCCL's orderly teardown waits until no CUDA graph holds its communicator: free them first."""
+def _release_cuda_graphs(graphs: dict[int, Any]) -> None:
+    """Before an orderly teardown, every rank idle: NCCL's teardown waits until no CUDA graph holds
+    its communicator. ``reset()`` destroys a graph even where another reference to it survives."""
     if graphs:
         torch.cuda.synchronize()
-        graphs.clear()
+        _destroy_cuda_graphs(graphs)
+
+
+def _destroy_cuda_graphs(graphs: dict[int, Any]) -> None:
+    # reset() releases the GIL, also while it waits for the graph's kernels. A copy: the watchdog and
+    # a shutdown may both get here.
+    for graph in list(graphs.values()):
+        graph.reset()
+    graphs.clear()
+
+
+def _abort_destroying_graphs(abort: Callable[[], None], graphs: dict[int, Any]) -> None:
+    """Abort NCCL and destroy the CUDA graphs that hold it, together: ``ncclCommAbort`` first raises
+    the flag that makes kernels stuck on a dead peer return, then waits until no graph holds the
+    communicator, while destroying a graph waits until its kernels return. So the abort runs on a
+    thread of its own (it releases the GIL) and the graphs are destroyed here meanwhile."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            abort()
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    aborter = threading.Thread(target=run, name="glassbox-tp-abort", daemon=True)
+    aborter.start()
+    try:
+        _destroy_cuda_graphs(graphs)
+    finally:
+        aborter.join()
+    if errors:
+        raise errors[0]
+
+
+class _GuardedGraph:
+    """One of rank 0's CUDA graphs: the watchdog may destroy it (a worker failed) while the engine
+    thread launches it, so launch and destruction take one lock; a destroyed graph refuses to run."""
+
+    __slots__ = ("_graph", "_lock")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, lock: threading.Lock) -> None:
+        self._graph: torch.cuda.CUDAGraph | None = graph
+        self._lock = lock
+
+    def replay(self) -> None:
+        with self._lock:
+            if self._graph is None:
+                raise RuntimeError("this CUDA graph was destroyed after a tensor-parallel worker failed")
+            self._graph.replay()
+
+    def reset(self) -> None:
+        with self._lock:
+            if self._graph is not None:
+                self._graph.reset()
+                self._graph = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._graph, name)
+
+
+class _GuardedGraphs(dict):
+    """Rank 0's ``ModelRunner.graphs``: each graph captured into it is stored as a ``_GuardedGraph``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def __setitem__(self, batch_size: int, graph: torch.cuda.CUDAGraph) -> None:
+        if not isinstance(graph, _GuardedGraph):
+            graph = _GuardedGraph(graph, self._lock)
+        super().__setitem__(batch_size, graph)
 
 
 def _worker_main(rank: int, world_size: int, port: int, config: Config, model_config: Qwen3Config,
