@@ -1,12 +1,15 @@
 """The yardstick: nano-vllm's bench.py workload, with the memory-bandwidth floor measured in the same run.
 
     python experiments/bench.py --preset qwen3-0.6b [--peer hf] [--no-telemetry] [--enforce-eager]
+        [--ab telemetry|async-scheduling --ab-runs 5] [--profile]
 
 256 requests (prompts U[100,1024] of ids U[0,10000], outputs U[100,1024], temperature 0.6,
 ignore_eos), one warm-up call, throughput = output tokens / wall time of the timed ``generate``. The
 floor: every decode step reads all weights and each running request's K/V once, at the device-copy
 bandwidth measured here; throughput is reported as a share of it. ``--peer hf`` runs the same
 workload on transformers' continuous batching, same weights, same process, and prints the ratio.
+``--ab`` then alternates runs with a feature on and off on the same engine (this machine's drift
+hits both arms alike); ``--profile`` lists where the GPU time of full-batch decode steps goes.
 """
 
 from __future__ import annotations
@@ -105,8 +108,10 @@ def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telem
     host = {part: statistics.mean(getattr(s, part) for s in decode) * 1e3
             for part in ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")} if decode else {}
     tokens = sum(p.max_tokens for p in params)
+    slowest = sorted(steps, key=lambda s: -s.duration_s)[:5]
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "telemetry": telemetry,
-            "decode_steps": len(decode), "decode_host_ms": host}
+            "decode_steps": len(decode), "decode_host_ms": host,
+            "slowest_steps": [(s.phase, s.num_seqs, s.num_prefill_tokens, round(s.duration_s * 1e3, 1)) for s in slowest]}
 
 
 def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]):
@@ -115,16 +120,48 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
     result = timed_run(llm, prompts, params, telemetry=not args.no_telemetry, record=args.record)
     result.update(num_blocks=llm.config.num_kvcache_blocks, backend=llm.model_runner.backend.name,
                   cuda_graphs=bool(llm.model_runner.graphs))
-    if args.telemetry_ab:
-        # Alternate on and off on the same engine: this machine's drift hits both arms alike.
+    if args.ab:
         runs = {True: [], False: []}
-        for _ in range(args.telemetry_ab):
-            for telemetry in (True, False):
-                runs[telemetry].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
+        for _ in range(args.ab_runs):
+            for on in (True, False):
+                if args.ab == "async-scheduling":
+                    llm.config.async_scheduling = on
+                telemetry = on if args.ab == "telemetry" else not args.no_telemetry
+                runs[on].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
+        llm.config.async_scheduling = not args.no_async_scheduling
         on, off = statistics.median(runs[True]), statistics.median(runs[False])
-        result["telemetry_ab"] = {"on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
-                                  "median_off": off, "slowdown": 1 - on / off}
+        result["ab"] = {"feature": args.ab, "on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
+                        "median_off": off, "on_vs_off": on / off - 1}
+    if args.profile:
+        result["profile"] = profile_decode(llm, prompts, params)
     return result, llm
+
+
+def profile_decode(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> dict:
+    """GPU time by kernel over ``num_steps`` decode steps with every request running (the
+    workload's first decode steps), against the wall time of those steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    request_ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    while True:  # through the prefills, into full-batch decode
+        _, num_tokens = llm.step()
+        if num_tokens < 0:
+            break
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(num_steps):
+            llm.step()
+        llm.drain()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    for request_id in request_ids:
+        llm.abort_request(request_id)
+    kernels = sorted(((e.key, e.device_time_total / 1e3 / num_steps) for e in prof.key_averages()
+                      if e.device_time_total > 0), key=lambda k: -k[1])
+    gpu_ms = sum(ms for _, ms in kernels)
+    return {"steps": num_steps, "wall_ms_per_step": 1e3 * wall / num_steps, "gpu_ms_per_step": gpu_ms,
+            "kernels_ms_per_step": kernels[:25]}
 
 
 HF_SETTINGS = dict(attn_implementation="paged|sdpa", block_size=256, max_batch_tokens=16384,
@@ -166,10 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("hf",), help="also run transformers' continuous batching")
     parser.add_argument("--no-telemetry", action="store_true", help="no Prometheus exporter or recorder attached")
     parser.add_argument("--record", type=Path, help="where the recording goes (default: a temporary file)")
-    parser.add_argument("--telemetry-ab", type=int, default=0, metavar="N",
-                        help="then N more runs each with telemetry on and off, alternating, on the same engine")
+    parser.add_argument("--ab", choices=("telemetry", "async-scheduling"),
+                        help="then alternate runs with this feature on and off, on the same engine")
+    parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true", help="then profile the GPU time of 20 full-batch decode steps")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.profile and not torch.cuda.is_available():
+        parser.error("--profile measures GPU kernels: it needs CUDA")
 
     vocab_size = load_qwen3_config(model_dir(args)).vocab_size
     requests = list(bench_workload(vocab_size, seed=0, num_requests=args.num_requests))
@@ -199,10 +240,19 @@ def main(argv: list[str] | None = None) -> int:
           f"telemetry={ours['telemetry']}, {ours['num_blocks']} blocks]")
     if ours["decode_host_ms"]:
         print("decode step host ms " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ours["decode_host_ms"].items()))
-    if "telemetry_ab" in ours:
-        ab = ours["telemetry_ab"]
-        print(f"telemetry on/off  median {ab['median_on']:,.0f} vs {ab['median_off']:,.0f} tok/s: {ab['slowdown']:+.2%} slower "
-              f"(on {min(ab['on_tok_s']):,.0f}-{max(ab['on_tok_s']):,.0f}, off {min(ab['off_tok_s']):,.0f}-{max(ab['off_tok_s']):,.0f})")
+    if ours["slowest_steps"]:
+        print("slowest steps     " + ", ".join(f"{phase} {n} seqs {tok} tok {ms} ms" for phase, n, tok, ms in ours["slowest_steps"]))
+    if "ab" in ours:
+        ab = ours["ab"]
+        print(f"{ab['feature']} on/off  median {ab['median_on']:,.0f} vs {ab['median_off']:,.0f} tok/s: "
+              f"on is {ab['on_vs_off']:+.2%} (on {min(ab['on_tok_s']):,.0f}-{max(ab['on_tok_s']):,.0f}, "
+              f"off {min(ab['off_tok_s']):,.0f}-{max(ab['off_tok_s']):,.0f}; {args.ab_runs} runs each, alternating)")
+    if "profile" in ours:
+        prof = ours["profile"]
+        print(f"decode profile    {prof['gpu_ms_per_step']:.2f} ms GPU, {prof['wall_ms_per_step']:.2f} ms wall per step "
+              f"({prof['steps']} steps, every request running)")
+        for name, ms in prof["kernels_ms_per_step"][:15]:
+            print(f"  {ms:7.3f} ms  {100 * ms / prof['gpu_ms_per_step']:5.1f}%  {name[:110]}")
     if args.peer == "hf":
         peer = run_hf_peer(checkpoint, prompts, params)
         results["hf"] = peer

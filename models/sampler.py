@@ -14,9 +14,10 @@ def _choose(logits: torch.Tensor, temperatures: torch.Tensor, race: torch.Tensor
     greedy_tokens = logits.argmax(dim=-1)
     sampled = temperatures > 0
     safe_temperatures = torch.where(sampled, temperatures, torch.ones_like(temperatures))
-    probs = torch.softmax(logits / safe_temperatures.unsqueeze(-1), dim=-1)
-    sampled_tokens = (probs / race).argmax(dim=-1)
-    return torch.where(sampled, sampled_tokens, greedy_tokens)
+    # argmax p_i / E_i in log space: log p_i differs from logits_i / T by a constant (the softmax's
+    # normaliser), so no softmax pass is needed. The clamp keeps an underflowed draw finite.
+    scores = logits / safe_temperatures.unsqueeze(-1) - torch.log(race.clamp_min(1e-10))
+    return torch.where(sampled, scores.argmax(dim=-1), greedy_tokens)
 
 
 class Sampler(nn.Module):
@@ -36,7 +37,6 @@ class Sampler(nn.Module):
         outside the fused part so that a seeded generator drives it.
         """
         temperatures = temperatures.to(device=logits.device, dtype=torch.float32)
-        # The clamp avoids 0/0 when an exponential draw underflows.
         race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        race.exponential_(1.0, generator=generator).clamp_min_(1e-10)
+        race.exponential_(1.0, generator=generator)
         return _choose(logits, temperatures, race)
