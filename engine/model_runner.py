@@ -108,9 +108,11 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
-        self.decode_inputs = DecodeInputs(config.max_num_seqs, max_blocks_per_seq, self.device)
-        # The last step's sampled ids (row i: its i-th sequence), and which request had which row.
-        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        # Inference tensors, like every per-step tensor: torch.compile guards on the difference.
+        with torch.inference_mode():
+            self.decode_inputs = DecodeInputs(config.max_num_seqs, max_blocks_per_seq, self.device)
+            # The last step's sampled ids (row i: its i-th sequence), and which request had which row.
+            self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.sample_rows: dict[int, int] = {}
         # Filled by capture_cudagraph(), which the engine calls once it has announced itself.
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -156,8 +158,14 @@ class ModelRunner:
                             max_seqlen_k=max_len))
         input_ids = torch.zeros(num_seqs * max_len, dtype=torch.int64, device=self.device)
         positions = torch.arange(max_len, device=self.device).repeat(num_seqs)
-        self.model.compute_logits(self.model(input_ids, positions))
+        logits = self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
+        if self.rank == 0:
+            # Compile the sampler now, for one row and then for any number (torch.compile treats
+            # size 1 apart), rather than stall the first requests.
+            for rows in (1, 2):
+                temperatures = torch.ones(rows, device=self.device)
+                self.sampler(logits[:1].expand(rows, -1).contiguous(), temperatures, self.generator)
         torch.cuda.synchronize(self.device)
 
     def allocate_kv_cache(self) -> None:
