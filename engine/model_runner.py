@@ -199,7 +199,9 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
+        # Always the full width: Triton specialises kernels on the row stride, and a stride that
+        # changed with the longest prompt would compile a new prefill kernel mid-run.
+        width = self.decode_inputs.max_blocks_per_seq
         rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
         return self._tensor([b for row in rows for b in row], torch.int32).view(len(seqs), width)
 
