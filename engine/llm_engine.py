@@ -207,6 +207,8 @@ class LLMEngine:
         """Wait for a launched step's tokens and postprocess them; returns the requests it finished."""
         try:
             token_ids = step.launched.token_ids()
+            if self.tp_group is not None:
+                self.tp_group.raise_if_failed()
         except Exception:
             self._fail(step.batch)
             raise

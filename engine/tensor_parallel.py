@@ -172,6 +172,12 @@ class TensorParallelGroup:
             raise WorkerError(workers.failure)
         workers.out_of_step = False
 
+    def raise_if_failed(self) -> None:
+        """For rank 0 after it waited on the device: a collective aborted because a worker died
+        returns normally, with garbage."""
+        if self._workers.failure is not None:
+            raise WorkerError(self._workers.failure)
+
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers.processes if p.pid is not None]
