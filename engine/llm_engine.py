@@ -175,21 +175,22 @@ class LLMEngine:
                 self._in_flight = current
         elif previous is not None:
             finished += self._complete(previous)
-        outputs = [(seq.seq_id, seq.completion_token_ids) for seq in finished]
-        for seq in finished:
-            del self._seqs[seq.seq_id]
+        outputs = self._retire(finished)
         if not batch:
             return outputs, 0
         return outputs, sum(batch.num_tokens) if batch.is_prefill else -len(batch.seqs)
+
+    def _retire(self, finished: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """Forget finished requests; their ``(request_id, token_ids)``."""
+        for seq in finished:
+            del self._seqs[seq.seq_id]
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished]
 
     def drain(self) -> list[tuple[int, list[int]]]:
         """Collect the step in flight, if any: afterwards every launched step has landed (for
         single-stepping, and before handing the engine over). Returns the requests it finished."""
         step, self._in_flight = self._in_flight, None
-        finished = self._complete(step) if step is not None else []
-        for seq in finished:
-            del self._seqs[seq.seq_id]
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished]
+        return self._retire(self._complete(step) if step is not None else [])
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         try:

@@ -293,13 +293,14 @@ class ModelRunner:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def _decode_logits(self, num_rows: int, num_seqs: int) -> torch.Tensor:
+    def _decode_logits(self, num_rows: int, num_seqs: int) -> tuple[torch.Tensor, int | None]:
+        """Logits of the staged decode rows, and the padded batch size when a captured graph ran."""
         if num_rows not in self.graphs:
-            return self.model.compute_logits(self.decode_forward(num_rows)[:num_seqs])
+            return self.model.compute_logits(self.decode_forward(num_rows)[:num_seqs]), None
         self.graphs[num_rows].replay()
         if self.events.active:
             self.events.emit(CudaGraphReplay, batch_size=num_seqs, padded_batch_size=num_rows)
-        return self.model.compute_logits(self.graph_outputs[:num_seqs])
+        return self.model.compute_logits(self.graph_outputs[:num_seqs]), num_rows
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep | None:
@@ -320,9 +321,7 @@ class ModelRunner:
             num_rows = self.prepare_decode(seqs)
             temperatures = self.decode_inputs.view("temperatures", n)
             t1 = time.perf_counter()
-            logits = self._decode_logits(num_rows, n)
-            if num_rows in self.graphs:
-                padded_batch_size = num_rows
+            logits, padded_batch_size = self._decode_logits(num_rows, n)
         if self.rank == 0:
             self.sampled[:n] = self.sampler(logits, temperatures, self.generator)
         if self.config.tensor_parallel_size > 1:
