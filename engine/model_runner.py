@@ -103,9 +103,7 @@ class ModelRunner:
         self.model.eval()
         self.backend = select_attention_backend(self.device, self.block_size)
         set_attention_backend(self.model, self.backend)
-        self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.seed)
+        self.sampler = Sampler(config.seed)
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # Inference tensors, like every per-step tensor: torch.compile guards on the difference.
@@ -161,11 +159,11 @@ class ModelRunner:
         logits = self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
         if self.rank == 0:
-            # Compile the sampler now, for one row and then for any number (torch.compile treats
+            # Compile the sampler now, for one row and then for any number (a compiler may treat
             # size 1 apart), rather than stall the first requests.
             for rows in (1, 2):
                 temperatures = torch.ones(rows, device=self.device)
-                self.sampler(logits[:1].expand(rows, -1).contiguous(), temperatures, self.generator)
+                self.sampler(logits[:1].expand(rows, -1).contiguous(), temperatures)
         torch.cuda.synchronize(self.device)
 
     def allocate_kv_cache(self) -> None:
@@ -323,7 +321,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits, padded_batch_size = self._decode_logits(num_rows, n)
         if self.rank == 0:
-            self.sampled[:n] = self.sampler(logits, temperatures, self.generator)
+            self.sampled[:n] = self.sampler(logits, temperatures)
         if self.config.tensor_parallel_size > 1:
             dist.broadcast(self.sampled[:n], src=0)
         self.sample_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}

@@ -42,7 +42,7 @@ class Floor:
     tokens_per_s: float
 
 
-def device_copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
+def device_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Bytes moved per second (read + write) by a large device-to-device copy: the achievable floor."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
@@ -82,6 +82,9 @@ def decode_floor(mc: Qwen3Config, itemsize: int, prompt_lens: list[int], output_
     return Floor(bandwidth, total, seconds, sum(output_lens) / seconds)
 
 
+_STEP_PARTS = ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")
+
+
 def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telemetry: bool,
               record: Path | None = None) -> dict:
     """One timed ``generate`` of the workload, with the Prometheus exporter and the recorder attached
@@ -106,13 +109,15 @@ def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telem
         for consumer in consumers:
             consumer.close()
     decode = [s for s in steps if s.phase == "decode"]
-    host = {part: statistics.mean(getattr(s, part) for s in decode) * 1e3
-            for part in ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")} if decode else {}
+    host = {part: statistics.mean(getattr(s, part) for s in decode) * 1e3 for part in _STEP_PARTS} if decode else {}
     tokens = sum(p.max_tokens for p in params)
     slowest = sorted(steps, key=lambda s: -s.duration_s)[:5]
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "telemetry": telemetry,
             "decode_steps": len(decode), "decode_host_ms": host,
-            "slowest_steps": [(s.phase, s.num_seqs, s.num_prefill_tokens, round(s.duration_s * 1e3, 1)) for s in slowest]}
+            "slowest_steps": [(s.phase, s.num_seqs, s.num_prefill_tokens, round(s.duration_s * 1e3, 1)) for s in slowest],
+            # Every step in order (JSON only): where the wall time goes as the batch shrinks.
+            "timeline": [(s.phase, s.num_seqs, s.num_prefill_tokens) + tuple(
+                round(getattr(s, part) * 1e3, 3) for part in _STEP_PARTS) for s in steps]}
 
 
 def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]):
@@ -134,35 +139,54 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
         result["ab"] = {"feature": args.ab, "on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
                         "median_off": off, "on_vs_off": on / off - 1}
     if args.profile:
-        result["profile"] = profile_decode(llm, prompts, params)
+        result["profile"] = profile_steps(llm, prompts, params)
     return result, llm
 
 
-def profile_decode(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> dict:
-    """GPU time by kernel over ``num_steps`` decode steps with every request running (the
-    workload's first decode steps), against the wall time of those steps."""
+def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> list[dict]:
+    """GPU time by kernel in four windows of one pass over the workload: its prefill steps, then
+    ``num_steps`` decode steps with every request running, with at most 64 and with at most 16 (the
+    batch shrinks as requests finish). Each window also gives its wall time and kernel launches."""
     from torch.profiler import ProfilerActivity, profile
 
     request_ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-    while True:  # through the prefills, into full-batch decode
-        _, num_tokens = llm.step()
-        if num_tokens < 0:
-            break
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
+    running = llm.scheduler.running
+
+    def window(name: str, steps) -> dict:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t, batch_size = time.perf_counter(), len(running)
+            n = steps()
+            llm.drain()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        kernels = sorted(((e.key, e.device_time_total / 1e3 / n) for e in events), key=lambda k: -k[1])
+        return {"window": name, "steps": n, "batch_size": batch_size,
+                "wall_ms_per_step": 1e3 * wall / n, "gpu_ms_per_step": sum(ms for _, ms in kernels),
+                "kernels_per_step": sum(e.count for e in events) / n, "kernels_ms_per_step": kernels[:25]}
+
+    def prefills() -> int:
+        n = 0
+        while llm.scheduler.waiting:  # a prompt joins ``running`` with its last chunk
+            llm.step()
+            n += 1
+        return n
+
+    def decodes() -> int:
         for _ in range(num_steps):
             llm.step()
-        llm.drain()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
+        return num_steps
+
+    windows = [window("prefill", prefills), window("decode, all running", decodes)]
+    for batch in (64, 16):
+        while len(running) > batch:
+            llm.step()
+        windows.append(window(f"decode, <= {batch} running", decodes))
     for request_id in request_ids:
         llm.abort_request(request_id)
-    kernels = sorted(((e.key, e.device_time_total / 1e3 / num_steps) for e in prof.key_averages()
-                      if e.device_time_total > 0), key=lambda k: -k[1])
-    gpu_ms = sum(ms for _, ms in kernels)
-    return {"steps": num_steps, "wall_ms_per_step": 1e3 * wall / num_steps, "gpu_ms_per_step": gpu_ms,
-            "kernels_ms_per_step": kernels[:25]}
+    llm.drain()
+    return windows
 
 
 HF_SETTINGS = dict(attn_implementation="paged|sdpa", block_size=256, max_batch_tokens=16384,
@@ -215,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab_size = load_qwen3_config(model_dir(args)).vocab_size
     requests = list(bench_workload(vocab_size, seed=0, num_requests=args.num_requests))
-    # Copy bandwidth before anything is loaded and again after the engine is gone: the floor takes
-    # the higher (on an H100 the end-of-run figure has come out ~14% lower than the idle one).
+    # Copy bandwidth before anything is loaded and again beside the engine after its runs (its pool
+    # allocated): the floor takes the higher. Not after closing it: for a few seconds after tens of
+    # GiB are freed, copies run ~14% slower on an H100 (measured: 2.59 vs 3.01 TB/s, back after 5 s).
     idle_copy = device_copy_bandwidth(torch.device("cuda")) if torch.cuda.is_available() else 0.0
     ours, llm = run_glassbox(args, [r.prompt_token_ids for r in requests], [r.sampling_params for r in requests])
     mc, runner = llm.model_config, llm.model_runner
@@ -226,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"glassbox: {ours['output_tokens']} tokens in {ours['seconds']:.2f}s = {ours['tokens_per_s']:.1f} tok/s "
               "(CPU: no bandwidth floor)")
         return 0
+    engine_copy = device_copy_bandwidth(runner.device)
     checkpoint = llm.config.model
     tp = llm.config.tensor_parallel_size
     llm.close()
@@ -233,15 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()  # the engine's reference cycles hold its KV cache and graph pool until collected
     torch.cuda.empty_cache()
     # With tensor parallelism each GPU reads its shard of the weights and K/V at the same time.
-    end_copy = device_copy_bandwidth(torch.device("cuda"))
     floor = decode_floor(mc, torch.finfo(torch.bfloat16).bits // 8, [len(p) for p in prompts],
-                         [p.max_tokens for p in params], tp * max(idle_copy, end_copy))
+                         [p.max_tokens for p in params], tp * max(idle_copy, engine_copy))
     results = {"device": f"{tp} x {torch.cuda.get_device_name()}", "tensor_parallel_size": tp, "glassbox": ours,
-               "copy_bandwidth_before": idle_copy, "copy_bandwidth_after": end_copy,
+               "copy_bandwidth_idle": idle_copy, "copy_bandwidth_beside_engine": engine_copy,
                "floor": asdict(floor), "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s}
     print(f"device            {results['device']}")
     print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write, all {tp} GPUs; one GPU before the "
-          f"engine {idle_copy / 1e12:.2f}, after it {end_copy / 1e12:.2f})")
+          f"engine {idle_copy / 1e12:.2f}, beside it {engine_copy / 1e12:.2f})")
     print(f"floor             {floor.tokens_per_s:,.0f} tok/s ({floor.decode_bytes / 1e12:.2f} TB of decode reads)")
     print(f"glassbox          {ours['output_tokens']:,} tok in {ours['seconds']:.2f}s = {ours['tokens_per_s']:,.0f} tok/s "
           f"= {results['share_of_floor']:.1%} of the floor  [{ours['backend']}, graphs={ours['cuda_graphs']}, "
@@ -255,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ab['feature']} on/off  median {ab['median_on']:,.0f} vs {ab['median_off']:,.0f} tok/s: "
               f"on is {ab['on_vs_off']:+.2%} (on {min(ab['on_tok_s']):,.0f}-{max(ab['on_tok_s']):,.0f}, "
               f"off {min(ab['off_tok_s']):,.0f}-{max(ab['off_tok_s']):,.0f}; {args.ab_runs} runs each, alternating)")
-    if "profile" in ours:
-        prof = ours["profile"]
-        print(f"decode profile    {prof['gpu_ms_per_step']:.2f} ms GPU, {prof['wall_ms_per_step']:.2f} ms wall per step "
-              f"({prof['steps']} steps, every request running)")
-        for name, ms in prof["kernels_ms_per_step"][:15]:
+    for prof in ours.get("profile", []):
+        print(f"profile: {prof['window']} ({prof['steps']} steps from batch {prof['batch_size']}): "
+              f"{prof['gpu_ms_per_step']:.2f} ms GPU, {prof['wall_ms_per_step']:.2f} ms wall, "
+              f"{prof['kernels_per_step']:.0f} kernels per step")
+        for name, ms in prof["kernels_ms_per_step"][:10]:
             print(f"  {ms:7.3f} ms  {100 * ms / prof['gpu_ms_per_step']:5.1f}%  {name[:110]}")
     if args.peer == "hf":
         print(f"memory            {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated before the peer runs")

@@ -1,4 +1,5 @@
-"""Pure-torch paged attention and KV store: the CPU backend and the oracle for the Triton kernels.
+"""Pure-torch paged attention, QK-norm/rotary/KV store and RMSNorm: the CPU backend, the math the
+compiled CUDA paths trace, and the oracle for the Triton kernels.
 
 Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
 ``block_id * block_size + offset``. Query tokens of a sequence are the *last* ``q_len`` of its
@@ -9,6 +10,45 @@ behind prefix-cached blocks and a chunk continuing a partial prompt with one cod
 from __future__ import annotations
 
 import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension. Statistics in float32, then back to the input dtype *before*
+    the weight multiply, as transformers' Qwen3RMSNorm does, so bf16 results round the same way."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary (rotate halves) of ``x [..., D]`` with ``cos, sin [..., D/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def norm_rope_store_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """From the fused projection ``qkv [N, (H + 2*KVH) * D]`` to attention's inputs: q and k
+    RMS-normalised per head (QK-norm) and rotated at ``positions`` (``cos_sin_cache[pos]`` holds the
+    cos, then the sin, of the half frequencies), K/V written at their slots. Returns ``q [N, H, D]``."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    q, k, v = qkv.reshape(-1, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1)
+    cos, sin = cos_sin_cache[positions].to(qkv.dtype).unsqueeze(1).chunk(2, dim=-1)
+    q = rotary_ref(rms_norm_ref(q, q_norm_weight, eps), cos, sin)
+    k = rotary_ref(rms_norm_ref(k, k_norm_weight, eps), cos, sin)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def store_kvcache_ref(

@@ -12,8 +12,8 @@ from models.context import get_context
 
 
 def triton_backend() -> AttentionBackend:
+    from kernels.norm_rope_store import norm_rope_store
     from kernels.paged_attention import decode_attention, prefill_attention
-    from kernels.store_kvcache import store_kvcache
 
     def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
         return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale,
@@ -23,7 +23,7 @@ def triton_backend() -> AttentionBackend:
         # No length hint: a captured graph is replayed for many context lengths.
         return decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale)
 
-    return AttentionBackend(name="triton", store_kvcache=store_kvcache, prefill=prefill, decode=decode)
+    return AttentionBackend(name="triton", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode)
 
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2's paged KV needs blocks of a multiple of 256 tokens
@@ -32,7 +32,7 @@ FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2's paged KV needs blocks of a mul
 def flash_attn_backend() -> AttentionBackend:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-    from kernels.store_kvcache import store_kvcache
+    from kernels.norm_rope_store import norm_rope_store
 
     def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
         context = get_context()
@@ -45,7 +45,7 @@ def flash_attn_backend() -> AttentionBackend:
                                       block_table=block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
 
-    return AttentionBackend(name="flash-attn", store_kvcache=store_kvcache, prefill=prefill, decode=decode)
+    return AttentionBackend(name="flash-attn", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode)
 
 
 def cuda_backend(block_size: int) -> AttentionBackend:

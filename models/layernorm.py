@@ -5,25 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.reference import rms_norm_ref
 from models.compile import fused_on_cuda
 
-
-@fused_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in float32, then back to the input dtype *before* the weight multiply, as
-    # transformers' Qwen3RMSNorm does, so bf16 results round the same way.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+rms_norm = fused_on_cuda(rms_norm_ref)
 
 
 @fused_on_cuda
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual
-    xf = residual.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype), residual
+    return rms_norm_ref(residual, weight, eps), residual
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,6 @@ from models.rotary import RotaryEmbedding
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
             bias=config.attention_bias,
@@ -31,22 +30,16 @@ class Qwen3Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.rotary_emb = rotary_emb  # one module shared by every layer (its table is not saved)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.rotary_emb = rotary_emb  # one table shared by every layer (not saved)
+        self.attn = Attention(self.num_heads, config.head_dim, config.head_dim**-0.5, self.num_kv_heads)
         # QK-norm: each head's q and k are RMS-normalised before rotary, which keeps attention
-        # logits bounded without a qkv bias.
+        # logits bounded without a qkv bias. The attention backend applies both, fused.
         self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        qkv = self.qkv_proj(hidden_states)
+        return self.o_proj(self.attn(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb.cos_sin_cache))
 
 
 class Qwen3MLP(nn.Module):

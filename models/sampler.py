@@ -1,42 +1,64 @@
-"""Token sampling: greedy at temperature 0, exact categorical sampling otherwise."""
+"""Token sampling: greedy at temperature 0, exact categorical sampling otherwise.
+
+Sampling uses the exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` picks ``i`` with
+probability exactly ``p_i`` (``E_i / p_i`` is exponential with rate ``p_i``, and the smallest of
+independent exponentials is ``i`` with probability proportional to its rate). In log space that is
+``argmax_i logits_i / T - log E_i``: ``log p_i`` differs from ``logits_i / T`` by the softmax's
+normaliser, a constant, so no softmax, cumulative sum or sort is needed. Both branches run for every
+row, so a batch mixing greedy and sampled requests costs no host synchronisation.
+
+On CUDA one Triton kernel pair (``kernels.sampling``) reads the logits once and draws the noise
+in-kernel; on the CPU the noise is a tensor drawn from a seeded ``torch.Generator``.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from models.compile import fused_on_cuda
+_MASK64 = 2**64 - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
 
-@fused_on_cuda
-def _choose(logits: torch.Tensor, temperatures: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers whose every output bit depends on
+    every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     logits = logits.float()
-    greedy_tokens = logits.argmax(dim=-1)
+    race = torch.empty_like(logits).exponential_(1.0, generator=generator)
     sampled = temperatures > 0
     safe_temperatures = torch.where(sampled, temperatures, torch.ones_like(temperatures))
-    # argmax p_i / E_i in log space: log p_i differs from logits_i / T by a constant (the softmax's
-    # normaliser), so no softmax pass is needed. The clamp keeps an underflowed draw finite.
+    # The clamp keeps an underflowed draw finite.
     scores = logits / safe_temperatures.unsqueeze(-1) - torch.log(race.clamp_min(1e-10))
-    return torch.where(sampled, scores.argmax(dim=-1), greedy_tokens)
+    return torch.where(sampled, scores.argmax(dim=-1), logits.argmax(dim=-1))
 
 
 class Sampler(nn.Module):
-    def forward(
-        self,
-        logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+        self.calls = 0
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+
+    def _call_seed(self) -> int:
+        # splitmix64 seeded with the mixed engine seed: the call seeds of one engine never repeat,
+        # and two engine seeds' sequences are unrelated.
+        self.calls += 1
+        return _mix64((_mix64(self.seed & _MASK64) + self.calls * _GOLDEN_GAMMA) & _MASK64)
+
+    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """``logits [B, V]``, ``temperatures [B]`` (0 = greedy) -> token ids ``[B]`` (int64).
 
-        Sampling uses the exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` picks ``i``
-        with probability exactly ``p_i`` (``E_i / p_i`` is exponential with rate ``p_i`` and the
-        smallest of independent exponentials is ``i`` with probability proportional to its rate).
-        It needs no cumulative sum or sort, and both branches run for every row so that a batch
-        mixing greedy and sampled requests costs no host synchronisation. The noise is drawn
-        outside the fused part so that a seeded generator drives it.
-        """
+        Draws are reproducible for a given seed and sequence of calls."""
         temperatures = temperatures.to(device=logits.device, dtype=torch.float32)
-        race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        race.exponential_(1.0, generator=generator)
-        return _choose(logits, temperatures, race)
+        if logits.is_cuda:
+            from kernels.sampling import sample  # triton: imported only where a GPU runs it
+
+            return sample(logits, temperatures.contiguous(), self._call_seed())
+        return _exponential_race(logits, temperatures, self.generator)

@@ -12,7 +12,7 @@ import torch
 
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
-from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref
+from kernels.reference import decode_attention_ref, norm_rope_store_ref, prefill_attention_ref
 from models.attention import set_attention_backend
 from models.backends import cuda_backend, flash_attn_backend
 
@@ -51,8 +51,8 @@ def test_flash_attn_backend_generates_what_the_torch_backend_does(fake_flash_att
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
     expected = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-    # flash-attn cannot store into the paged cache; the real backend pairs it with the Triton store.
-    backend = dataclasses.replace(flash_attn_backend(), store_kvcache=store_kvcache_ref)
+    # flash-attn cannot store into the paged cache; the real backend pairs it with the Triton kernel.
+    backend = dataclasses.replace(flash_attn_backend(), norm_rope_store=norm_rope_store_ref)
     set_attention_backend(llm.model_runner.model, backend)
     got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix hits included
     assert got == expected

@@ -2,44 +2,27 @@
 
 Without CUDA the kernels run under Triton's interpreter (fp32/fp16 only: it computes bf16 wrongly).
 Triton decides interpreter-or-compiler when ``triton`` and each ``@triton.jit`` function are first
-imported, so ``TRITON_INTERPRET=1`` is set here before anything imports triton, and only when CUDA
-is absent: on a GPU machine nothing changes for other test modules, and on a CPU-only one no Triton
-kernel could run compiled anyway. If another module imported triton first (so the interpreter is
-off on a CPU-only machine), the CPU tests fail with a message rather than silently skip. GPU tests
-(``-m gpu``) sweep bf16/fp16 widely on CUDA.
+imported, so ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports triton, and
+only when CUDA is absent; its ``cpu`` fixture fails, rather than skips, if the interpreter is off on
+a CPU-only machine. GPU tests (``-m gpu``) sweep bf16/fp16 widely on CUDA.
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels import paged_attention as attn  # noqa: E402  (after TRITON_INTERPRET)
-from kernels import store_kvcache as store  # noqa: E402
-from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref  # noqa: E402
-
-INTERPRETED = type(attn._decode_kernel).__name__ == "InterpretedFunction"
-
-
-@pytest.fixture
-def cpu() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines; -m gpu covers CUDA")
-    if not INTERPRETED:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in the environment "
-                    "or in tests/conftest.py")
-
-
-@pytest.fixture
-def gpu() -> None:
-    if not torch.cuda.is_available():
-        pytest.fail("GPU tests need CUDA: run them with -m gpu on a GPU machine (CI deselects them)")
+from kernels import paged_attention as attn
+from kernels.norm_rope_store import norm_rope_store
+from kernels.reference import (
+    decode_attention_ref,
+    norm_rope_store_ref,
+    prefill_attention_ref,
+    store_kvcache_ref,
+)
+from models.rotary import RotaryEmbedding
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +104,7 @@ def _check_prefill(
     seed: int,
     **kwargs: object,
 ) -> None:
-    """Store this step's K/V with ``store_kvcache`` (the engine's order), then attend."""
+    """Store this step's K/V (the engine's order), then attend."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables = _paged_cache(k_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
     total = sum(q_lens)
@@ -133,7 +116,7 @@ def _check_prefill(
         for pos in range(kl - ql, kl):
             slots.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
     slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
-    store.store_kvcache(new_k, new_v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(new_k, new_v, k_cache, v_cache, slot_mapping)
 
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -146,8 +129,9 @@ def _check_prefill(
     assert _rel_err(out, ref) < _TOL[dtype], (q_lens, k_lens, kwargs, _rel_err(out, ref))
 
 
-def _check_store(
+def _check_norm_rope_store(
     num_tokens: int,
+    num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
@@ -155,16 +139,18 @@ def _check_store(
     device: str,
     seed: int,
     slot_dtype: torch.dtype = torch.int32,
-    src_dtype: torch.dtype | None = None,
     strided_cache: bool = False,
 ) -> None:
+    """The fused kernel against the reference on the same inputs: q, and every cache entry."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = _cdiv(num_tokens, block_size) + 2
-    kv_size = num_kv_heads * head_dim
-    # K and V as views into a fused qkv projection output: row stride != kv_heads * head_dim.
-    qkv = torch.randn(num_tokens, 2 * kv_size + 3 * kv_size, generator=gen).to(src_dtype or dtype).to(device)
-    key = qkv[:, 3 * kv_size : 4 * kv_size].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, 4 * kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    # qkv as a view with a row stride wider than its width, as a strided projection output would be.
+    qkv = torch.randn(num_tokens, width + 16, generator=gen).to(dtype).to(device)[:, :width]
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
+    cos_sin_cache = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(device)
+    q_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    k_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if strided_cache:  # vLLM-style [num_blocks, 2, ...] allocation, K and V interleaved per block
         both = torch.randn(num_blocks, 2, *shape[1:], generator=gen).to(dtype).to(device)
@@ -176,9 +162,18 @@ def _check_store(
     slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1  # CUDA-graph padding rows
     slot_mapping = slots.to(slot_dtype).to(device)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    args = (qkv, positions, q_weight, k_weight, 1e-6, cos_sin_cache)
+    q = norm_rope_store(*args, k_cache, v_cache, slot_mapping)
+    q_ref = norm_rope_store_ref(*args, k_ref, v_ref, slot_mapping)
+    # The kernel rounds each rotary sum once; the reference rounds every bf16 operation.
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k_cache, k_ref, **tol)
+    assert torch.equal(v_cache, v_ref), "V is copied, not computed: it must match exactly"
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(k_cache.reshape(-1, num_kv_heads, head_dim)[untouched.to(device)],
+                       k_ref.reshape(-1, num_kv_heads, head_dim)[untouched.to(device)]), "a skipped slot was written"
 
 
 def _ragged(rng: random.Random, batch: int, lo: int, hi: int) -> list[int]:
@@ -256,33 +251,33 @@ def test_prefill_cpu_empty_query_rows() -> None:
 
 @pytest.mark.usefixtures("cpu")
 @pytest.mark.parametrize(
-    "num_kv_heads,head_dim,block_size,slot_dtype,strided_cache",
+    "num_heads,num_kv_heads,head_dim,block_size,slot_dtype,strided_cache",
     [
-        (2, 32, 16, torch.int32, False),
-        (3, 32, 16, torch.int64, False),  # row of 96: not a power of two, masked
-        (8, 64, 32, torch.int64, True),
-        (1, 128, 64, torch.int32, True),
+        (4, 2, 32, 16, torch.int32, False),
+        (6, 3, 32, 16, torch.int64, False),  # head counts that are not powers of two: masked
+        (16, 8, 64, 32, torch.int64, True),
+        (8, 1, 128, 64, torch.int32, True),
     ],
 )
-def test_store_kvcache_cpu(
-    num_kv_heads: int, head_dim: int, block_size: int, slot_dtype: torch.dtype, strided_cache: bool
+def test_norm_rope_store_cpu(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, slot_dtype: torch.dtype, strided_cache: bool
 ) -> None:
     for seed, dtype in enumerate((torch.float32, torch.float16)):
-        _check_store(37, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
-                     slot_dtype=slot_dtype, strided_cache=strided_cache)
-    # fp32 rows into an fp16 cache are cast, like the reference.
-    _check_store(9, num_kv_heads, head_dim, block_size, torch.float16, "cpu", 5,
-                 src_dtype=torch.float32)
+        _check_norm_rope_store(37, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
+                               slot_dtype=slot_dtype, strided_cache=strided_cache)
 
 
 @pytest.mark.usefixtures("cpu")
-def test_store_kvcache_cpu_empty_and_all_skipped() -> None:
-    key = torch.randn(4, 2, 32)
+def test_norm_rope_store_cpu_empty_and_all_skipped() -> None:
+    qkv = torch.randn(4, (2 + 2 * 2) * 32)
     k_cache = torch.randn(2, 16, 2, 32)
     v_cache = torch.randn(2, 16, 2, 32)
     before = k_cache.clone(), v_cache.clone()
-    store.store_kvcache(key, key, k_cache, v_cache, torch.full((4,), -1, dtype=torch.int32))
-    store.store_kvcache(key[:0], key[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32))
+    args = (torch.arange(4), torch.ones(32), torch.ones(32), 1e-6, RotaryEmbedding(32, 64, 1e4).cos_sin_cache)
+    q = norm_rope_store(qkv, *args, k_cache, v_cache, torch.full((4,), -1, dtype=torch.int32))
+    assert q.shape == (4, 2, 32) and torch.isfinite(q).all()
+    assert norm_rope_store(qkv[:0], args[0][:0], *args[1:], k_cache, v_cache,
+                           torch.empty(0, dtype=torch.int32)).shape == (0, 2, 32)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
@@ -340,11 +335,11 @@ def test_head_dim_32_gpu(dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
-@pytest.mark.parametrize("dtype", _GPU_DTYPES)
-def test_store_kvcache_gpu(dtype: torch.dtype) -> None:
-    _check_store(4097, 8, 128, 256, dtype, "cuda", 0)
-    _check_store(300, 3, 64, 16, dtype, "cuda", 1, slot_dtype=torch.int64, strided_cache=True)
-    _check_store(300, 8, 128, 16, dtype, "cuda", 2, src_dtype=torch.float32)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_norm_rope_store_gpu(dtype: torch.dtype) -> None:
+    _check_norm_rope_store(4097, 16, 8, 128, 256, dtype, "cuda", 0)
+    _check_norm_rope_store(300, 32, 8, 128, 16, dtype, "cuda", 1, slot_dtype=torch.int64, strided_cache=True)
+    _check_norm_rope_store(300, 6, 3, 64, 16, dtype, "cuda", 2)
 
 
 @pytest.mark.gpu
@@ -359,11 +354,17 @@ def test_int64_offsets_gpu() -> None:
     blocks = torch.arange(num_blocks - 4, num_blocks, dtype=torch.int32, device="cuda")
     tables = blocks[None, :]
     slots = (blocks.long()[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()[:ctx]
-    key = torch.randn(ctx, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    value = torch.randn_like(key)
-    store.store_kvcache(key, value, k_cache, v_cache, slots.to(torch.int32))
-    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], key)
-    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], value)
+    # The fused kernel stores; the reference stores the same rows into a cache of one slot per token.
+    qkv = torch.randn(ctx, (16 + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, device="cuda")
+    args = (qkv, torch.arange(ctx, device="cuda"), torch.ones(head_dim, dtype=torch.bfloat16, device="cuda"),
+            torch.ones(head_dim, dtype=torch.bfloat16, device="cuda"), 1e-6,
+            RotaryEmbedding(head_dim, 64, 1e6).cos_sin_cache.cuda())
+    norm_rope_store(*args, k_cache, v_cache, slots.to(torch.int32))
+    key = torch.empty(ctx, 1, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    value = torch.empty_like(key)
+    norm_rope_store_ref(*args, key, value, torch.arange(ctx, device="cuda"))
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, head_dim)[slots], key[:, 0], atol=2e-2, rtol=2e-2)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], value[:, 0])
     q = torch.randn(1, 16, head_dim, dtype=torch.bfloat16, device="cuda")
     lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     out = attn.decode_attention(q, k_cache, v_cache, lens, tables, 0.1)

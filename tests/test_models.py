@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from kernels.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref
+from kernels.reference import decode_attention_ref, norm_rope_store_ref, prefill_attention_ref
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.context import Context, reset_context, set_context
 from models.layernorm import RMSNorm
@@ -256,9 +256,9 @@ def test_decode_without_kv_cache_is_an_error(model: Qwen3ForCausalLM) -> None:
 def test_attention_backend_is_used_by_every_layer(model: Qwen3ForCausalLM) -> None:
     calls: list[str] = []
 
-    def store(*args: object) -> None:
+    def store(*args: object) -> torch.Tensor:
         calls.append("store")
-        store_kvcache_ref(*args)  # type: ignore[arg-type]
+        return norm_rope_store_ref(*args)  # type: ignore[arg-type]
 
     def prefill(*args: object) -> torch.Tensor:
         calls.append("prefill")
