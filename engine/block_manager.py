@@ -155,6 +155,20 @@ class BlockManager:
         seq.block_table = []
         return freed
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``), for benchmarks that rerun the
+        same prompts; only while no request holds a block. Returns how many blocks were forgotten."""
+        if self.used_block_ids:
+            raise RuntimeError(f"{len(self.used_block_ids)} blocks are held by requests: the prefix cache can "
+                               "only be reset when the engine is idle")
+        for h, block_id in self.hash_to_block_id.items():
+            self.blocks[block_id].update(NO_HASH, [])
+            if self.events.active:
+                self.events.emit(BlockEvict, block_id=block_id, hash=h)
+        forgotten = len(self.hash_to_block_id)
+        self.hash_to_block_id.clear()
+        return forgotten
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token being decoded has a slot: a new block is needed when it opens one."""
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)

@@ -142,6 +142,13 @@ class LLMEngine:
         self._seqs.pop(request_id, None)
         return seq is not None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix, so that a rerun of the same prompts computes them again (no
+        request may be in the engine); returns how many blocks were forgotten."""
+        if not self.is_finished():
+            raise RuntimeError("requests are still in the engine: reset the prefix cache when it is idle")
+        return self.scheduler.block_manager.reset_prefix_cache()
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
 

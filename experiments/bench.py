@@ -99,6 +99,7 @@ def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telem
         for consumer in consumers:
             consumer.attach(llm.events)
         unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+    llm.reset_prefix_cache()  # every run computes every prompt, as the first one does
     if llm.model_runner.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()

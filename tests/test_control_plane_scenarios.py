@@ -50,6 +50,27 @@ def test_repeat_of_a_long_prompt_hits_every_block_but_the_last(length):
     engine.run()
 
 
+def test_reset_prefix_cache_forgets_every_cached_block_and_only_when_idle():
+    engine = FakeEngine()
+    engine.add(prompt(4 * BS + 3), max_tokens=2)
+    busy = engine.add(prompt(2 * BS), max_tokens=30)
+    engine.step()
+    with pytest.raises(RuntimeError, match="held by requests"):
+        engine.scheduler.block_manager.reset_prefix_cache()
+    engine.run()
+    bm = engine.scheduler.block_manager
+    cached = dict(bm.hash_to_block_id)
+    assert cached and busy.is_finished
+    assert bm.reset_prefix_cache() == len(cached)
+    assert not bm.hash_to_block_id and all(bm.blocks[b].hash == -1 for b in cached.values())
+    evicted = engine.of_kind("block_evict")
+    assert {(e.block_id, e.hash) for e in evicted} == {(b, h) for h, b in cached.items()}
+    again = engine.add(prompt(4 * BS + 3), max_tokens=2)
+    engine.run()
+    assert engine.of_kind("prefix_hit")[-1].request_id == again.seq_id
+    assert engine.of_kind("prefix_hit")[-1].hit_tokens == 0  # computed again from the first token
+
+
 def test_identical_prompts_admitted_together_do_not_dedupe():
     engine = FakeEngine()
     a = engine.add(prompt(3 * BS + 2), max_tokens=1)

@@ -113,6 +113,24 @@ def test_results_come_back_in_prompt_order_with_text(tiny_checkpoint):
     assert all(o["text"] == llm.tokenizer.decode(o["token_ids"]) for o in outs)
 
 
+def test_reset_prefix_cache_makes_a_rerun_compute_its_prompts(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    prompts, params = [list(range(1, 60)), list(range(100, 140))], greedy(4)
+    first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    hits = []
+    llm.events.subscribe(lambda e: hits.append(e.hit_tokens) if e.kind == "prefix_hit" else None)
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == first
+    assert hits == [48, 32]  # the rerun hit every full block but the last token's
+    request = llm.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="still in the engine"):
+        llm.reset_prefix_cache()
+    llm.abort_request(request)
+    assert llm.reset_prefix_cache() > 0
+    hits.clear()
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == first
+    assert hits == [0, 0]
+
+
 def test_add_request_step_abort(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
     keep = llm.add_request([1, 2, 3, 4], greedy(6))
