@@ -159,11 +159,9 @@ class ModelRunner:
         logits = self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
         if self.rank == 0:
-            # Compile the sampler now, for one row and then for any number (a compiler may treat
-            # size 1 apart), rather than stall the first requests.
-            for rows in (1, 2):
-                temperatures = torch.ones(rows, device=self.device)
-                self.sampler(logits[:1].expand(rows, -1).contiguous(), temperatures)
+            # Compile the sampler's kernels now rather than stall the first request (the batch size
+            # is only their grid, so one call covers every size).
+            self.sampler(logits[:1].contiguous(), torch.ones(1, device=self.device))
         torch.cuda.synchronize(self.device)
 
     def allocate_kv_cache(self) -> None:
