@@ -66,47 +66,51 @@ class Attention(nn.Module):
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         context = get_context()
-        if self.k_cache.numel() == 0:
-            out = self._uncached_prefill(qkv, positions, q_norm, k_norm, cos_sin_cache)
+        cached = self.k_cache.numel() > 0
+        if cached:
+            k_cache, v_cache, slot_mapping = self.k_cache, self.v_cache, context.slot_mapping
         else:
-            q = self.backend.norm_rope_store(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
-                                             self.k_cache, self.v_cache, context.slot_mapping)
-            if context.is_prefill:
-                out = self.backend.prefill(
-                    q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.cu_seqlens_k,
-                    context.block_tables, self.scale,
-                )
-            else:
-                out = self.backend.decode(
-                    q, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale
-                )
+            k_cache, v_cache, slot_mapping = self._one_slot_per_token(qkv)
+        q = self.backend.norm_rope_store(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
+                                         k_cache, v_cache, slot_mapping)
+        if not cached:
+            out = _uncached_prefill(q, k_cache[:, 0], v_cache[:, 0], context.cu_seqlens_q, self.scale)
+        elif context.is_prefill:
+            out = self.backend.prefill(
+                q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.cu_seqlens_k,
+                context.block_tables, self.scale,
+            )
+        else:
+            out = self.backend.decode(
+                q, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale
+            )
         return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
 
-    def _uncached_prefill(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
-                          cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """Causal varlen attention over this step's own K/V, for forwards run before the cache exists
-        (the runner's memory-profiling warm-up). The K/V go to a cache of one slot per token."""
+    def _one_slot_per_token(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before the pool exists (the runner's memory-profiling forward) this step's K/V go to a
+        cache of one slot per token; only a prefill from every sequence's first token can run so."""
         context = get_context()
         if not context.is_prefill or context.cu_seqlens_q is None:
             raise RuntimeError("the KV cache is not allocated: only a prefill forward can run without it")
         if context.cu_seqlens_k is not None and not torch.equal(context.cu_seqlens_k, context.cu_seqlens_q):
             raise RuntimeError("without a KV cache every sequence must be prefilled from its first token")
         num_tokens = qkv.shape[0]
-        k = qkv.new_empty(num_tokens, 1, self.num_kv_heads, self.head_dim)
-        v = torch.empty_like(k)
-        slots = torch.arange(num_tokens, device=qkv.device)
-        q = self.backend.norm_rope_store(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
-                                         k, v, slots)
-        k, v = k[:, 0], v[:, 0]
-        out = torch.empty_like(q)
-        bounds = context.cu_seqlens_q.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end > start:
-                out[start:end] = F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                    is_causal=True, scale=self.scale, enable_gqa=True,
-                ).transpose(0, 1)
-        return out
+        k_cache = qkv.new_empty(num_tokens, 1, self.num_kv_heads, self.head_dim)
+        return k_cache, torch.empty_like(k_cache), torch.arange(num_tokens, device=qkv.device)
+
+
+def _uncached_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal varlen attention over this step's own K/V."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+    return out
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

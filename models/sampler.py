@@ -45,12 +45,13 @@ class Sampler(nn.Module):
         self.calls = 0
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
+        self._mixed_seed = _mix64(seed & _MASK64)
 
     def _call_seed(self) -> int:
         # splitmix64 seeded with the mixed engine seed: the call seeds of one engine never repeat,
         # and two engine seeds' sequences are unrelated.
         self.calls += 1
-        return _mix64((_mix64(self.seed & _MASK64) + self.calls * _GOLDEN_GAMMA) & _MASK64)
+        return _mix64((self._mixed_seed + self.calls * _GOLDEN_GAMMA) & _MASK64)
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """``logits [B, V]``, ``temperatures [B]`` (0 = greedy) -> token ids ``[B]`` (int64).
