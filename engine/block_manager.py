@@ -155,6 +155,16 @@ class BlockManager:
         seq.block_table = []
         return freed
 
+    def uncache(self, seq: Sequence) -> None:
+        """Withdraw the prefix-cache entries of ``seq``'s blocks (their K/V cannot be trusted). The
+        blocks keep their hashes, which later blocks of other requests chain from."""
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+                if self.events.active:
+                    self.events.emit(BlockEvict, block_id=block_id, hash=block.hash)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``), for benchmarks that rerun the
         same prompts; only while no request holds a block. Returns how many blocks were forgotten."""

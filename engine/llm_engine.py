@@ -1,9 +1,9 @@
 """The engine loop and the vLLM-compatible ``LLM`` facade.
 
 ``step()`` is one iteration of continuous batching: schedule, launch the model, postprocess. With
-``async_scheduling`` (the default) a decode step's postprocessing waits until the next step is
-launched: the host schedules and prepares step n+1 while the GPU computes step n, and the tokens of
-step n reach step n+1's inputs on the GPU. Every decision along the way is published on
+``async_scheduling`` (the default) a step's postprocessing waits until the next step is launched:
+the host schedules and prepares step n+1 while the GPU computes step n, and the tokens of step n
+reach step n+1's inputs on the GPU. Every decision along the way is published on
 ``self.events``; the engine itself never formats, exports or stores telemetry.
 """
 
@@ -158,30 +158,26 @@ class LLMEngine:
         """One engine iteration. Returns the requests that finished as ``(request_id, token_ids)``
         and the number of tokens launched: positive for a prefill, minus the batch size for a decode.
 
-        With asynchronous scheduling a decode step's results are read in the next call, after that
-        call has launched its own step; a step that launches nothing collects what is in flight."""
+        With asynchronous scheduling a step's results are read in the next call, after that call
+        has launched its own step; a step that launches nothing collects what is in flight."""
         start = time.perf_counter()
         self.events.step += 1
         batch = self.scheduler.schedule()
         schedule_s = time.perf_counter() - start
         previous, self._in_flight = self._in_flight, None
-        finished: list[Sequence] = []
         if batch:
             try:
                 launched = self._launch(batch)
             except Exception:
                 self._in_flight = previous  # still to be collected
                 raise
-            current = _InFlight(batch, launched, self.events.step, start, schedule_s)
-            if previous is not None:
-                finished += self._complete(previous)
-            # A prefill completes at once: its requests' next step must see their computed tokens.
-            if batch.is_prefill or not self.config.async_scheduling:
-                finished += self._complete(current)
-            else:
-                self._in_flight = current
-        elif previous is not None:
-            finished += self._complete(previous)
+            # In flight before the previous step is collected: if collecting raises, this one is
+            # still collected (or failed) later.
+            self._in_flight = _InFlight(batch, launched, self.events.step, start, schedule_s)
+        finished = self._complete(previous) if previous is not None else []
+        if self._in_flight is not None and not self.config.async_scheduling:
+            current, self._in_flight = self._in_flight, None
+            finished += self._complete(current)
         outputs = self._retire(finished)
         if not batch:
             return outputs, 0
@@ -248,7 +244,7 @@ class LLMEngine:
         # The batch is lost, the engine is not (unless its tensor-parallel ranks fell out of step,
         # which the group reports on every later call): fail these requests and free their blocks.
         for seq in batch.seqs:
-            self.scheduler.abort(seq.seq_id, reason="error")
+            self.scheduler.fail(seq.seq_id)
             self._seqs.pop(seq.seq_id, None)
 
     def generate(self, prompts: SequenceOf[Prompt], sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,

@@ -10,7 +10,9 @@ the waiting queue. Prefill and decode never share a step.
 A step's results may land after the next step is scheduled (the engine's asynchronous scheduling):
 ``expect_tokens`` stands a placeholder in for each token a launched step samples, so lengths and
 block needs are right before the ids are known, and ``postprocess`` fills them in. A request whose
-last token is in flight is not scheduled again.
+last token is in flight is not scheduled again. A launched prefill's tokens count as cached at
+once (the next step, which may continue the prompt or reuse its blocks, runs after it on the
+device); a decode step's, whose input may itself have been a placeholder, when it lands.
 """
 
 from __future__ import annotations
@@ -174,20 +176,24 @@ class Scheduler:
                              for_request_id=for_seq.seq_id)
 
     def expect_tokens(self, batch: ScheduledBatch) -> None:
-        """The batch is launched: stand a placeholder in for each token it will sample, so that the
-        next step can be scheduled before the ids reach the host."""
+        """The batch is launched: a prefill's computed tokens count as cached and its full blocks
+        join the prefix cache, and a placeholder stands in for each token the batch samples, so that
+        the next step can be scheduled before the ids reach the host."""
         batch.sample_index = []
+        bm = self.block_manager
         for seq, num_tokens in zip(batch.seqs, batch.num_tokens):
-            # (A prefill's requests are never in flight, so their num_cached_tokens is current.)
-            if batch.is_prefill and seq.num_cached_tokens + num_tokens < seq.num_tokens:
-                batch.sample_index.append(-1)  # a chunk short of the prompt's end: its sample means nothing
-            else:
-                batch.sample_index.append(seq.num_tokens)
-                seq.append_token(PLACEHOLDER)
+            if batch.is_prefill:
+                bm.hash_blocks(seq, num_tokens)
+                seq.num_cached_tokens += num_tokens
+                if seq.num_cached_tokens < seq.num_tokens:
+                    batch.sample_index.append(-1)  # a chunk short of the prompt's end: its sample means nothing
+                    continue
+            batch.sample_index.append(seq.num_tokens)
+            seq.append_token(PLACEHOLDER)
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Record a step's results: cache the blocks it filled, fill in the sampled tokens and retire
-        finished requests. Returns the requests that finished.
+        """Record a step's results: cache the blocks a decode step filled, fill in the sampled tokens
+        and retire finished requests. Returns the requests that finished.
 
         Requests may have moved on since the batch was launched: one aborted, or finished by the
         previous step's stop token, is skipped; one preempted keeps its token but no longer its
@@ -199,7 +205,7 @@ class Scheduler:
         for seq, num_tokens, index, token_id in zip(batch.seqs, batch.num_tokens, batch.sample_index, token_ids):
             if seq.is_finished:
                 continue
-            if seq.block_table:
+            if seq.block_table and not batch.is_prefill:
                 bm.hash_blocks(seq, num_tokens)
                 seq.num_cached_tokens += num_tokens
             if index < 0:
@@ -237,6 +243,15 @@ class Scheduler:
                     self._finish(seq, reason, time.perf_counter())
                     return seq
         return None
+
+    def fail(self, seq_id: int) -> Sequence | None:
+        """Abort a request whose step failed: the K/V of its blocks may never have been written, so
+        they also leave the prefix cache."""
+        for seq in (*self.waiting, *self.running):
+            if seq.seq_id == seq_id:
+                self.block_manager.uncache(seq)
+                break
+        return self.abort(seq_id, reason="error")
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.truncate(seq.num_known_tokens)  # an aborted request drops the tokens still in flight

@@ -21,7 +21,8 @@ class SequenceStatus(Enum):
 class Sequence:
     """Token ids plus the bookkeeping the scheduler, block manager and telemetry need.
 
-    ``num_cached_tokens`` counts tokens whose K/V are in the cache (prefix hits and computed chunks);
+    ``num_cached_tokens`` counts tokens whose K/V are in the cache or being written there by a launched
+    step ahead of any that reads them (prefix hits, launched prefill chunks, landed decode tokens);
     ``num_scheduled_tokens`` is how many this step computes. While a step is in flight its sampled
     token is a ``PLACEHOLDER`` at the end of ``token_ids``, counted in ``num_tokens``, until
     ``set_token`` fills it in. Times are ``time.perf_counter()`` seconds.

@@ -21,7 +21,7 @@ def fake_token(token_ids: list[int]) -> int:
 class FakeEngine:
     """schedule -> fake forward -> expect_tokens -> postprocess, with every event recorded.
 
-    With ``overlap`` a decode step is postprocessed only after the next step is launched, as the
+    With ``overlap`` a step is postprocessed only after the next step is launched, as the
     engine's asynchronous scheduling does; the fake 'device' resolves placeholders from the samples
     of the step in flight, as the model runner does on the GPU."""
 
@@ -72,7 +72,7 @@ class FakeEngine:
             self.scheduler.expect_tokens(batch)
             if previous is not None:
                 self.finished += self.scheduler.postprocess(*previous)
-            if batch.is_prefill or not self.overlap:
+            if not self.overlap:
                 self.finished += self.scheduler.postprocess(batch, tokens)
             else:
                 self.in_flight = (batch, tokens)

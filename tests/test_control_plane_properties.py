@@ -35,7 +35,7 @@ requests = st.lists(
 )
 def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, max_num_seqs, prefix_caching,
                                           eos, seed, overlap):
-    # overlap: each decode step is postprocessed after the next one is scheduled and launched.
+    # overlap: each step is postprocessed after the next one is scheduled and launched.
     engine = FakeEngine(overlap=overlap, kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
                         max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                         enable_prefix_caching=prefix_caching, eos=eos, max_model_len=160)

@@ -168,6 +168,59 @@ def test_long_prompt_is_chunked_and_joins_running_after_the_last_chunk(budget):
     engine.run()
 
 
+def test_overlapped_chunks_continue_before_the_previous_chunk_lands():
+    """With asynchronous scheduling the next chunk is launched while the previous one is in flight:
+    a launched chunk already counts as cached. The tokens are those of the synchronous run."""
+    results = []
+    for overlap in (False, True):
+        engine = FakeEngine(overlap=overlap, max_num_batched_tokens=16, num_kvcache_blocks=32)
+        seq = engine.add(prompt(50), max_tokens=3)
+        starts = []
+        while seq.num_completion_tokens == 0:
+            starts.append(seq.num_cached_tokens)
+            engine.step()
+            if overlap and seq.num_completion_tokens == 0:
+                assert engine.in_flight is not None and engine.in_flight[0].seqs == [seq]
+        assert starts == [0, 16, 32, 48]
+        engine.run()
+        results.append(seq.completion_token_ids)
+    assert results[0] == results[1]
+
+
+def test_a_prefill_in_flight_serves_prefix_hits_to_the_next_step():
+    engine = FakeEngine(overlap=True, max_num_batched_tokens=64, num_kvcache_blocks=32)
+    first = engine.add(prompt(3 * BS + 4), max_tokens=2)
+    engine.step()
+    assert engine.in_flight is not None and engine.in_flight[0].seqs == [first]
+    second = engine.add(prompt(3 * BS + 4), max_tokens=2)
+    engine.step()  # launched while the first prompt's step is still in flight
+    assert second.num_prompt_cached_tokens == 3 * BS
+    assert second.block_table[:3] == first.block_table[:3]
+    engine.run()
+    assert second.completion_token_ids == first.completion_token_ids
+
+
+def test_a_failed_step_withdraws_its_blocks_from_the_prefix_cache():
+    engine = FakeEngine(num_kvcache_blocks=32)
+    sched = engine.scheduler
+    seq = engine.add(prompt(2 * BS + 3), max_tokens=2)
+    batch = sched.schedule()
+    sched.expect_tokens(batch)  # launched: its full blocks are registered
+    assert len(sched.block_manager.hash_to_block_id) == 2
+    assert sched.fail(seq.seq_id) is seq and seq.finish_reason == "error"
+    engine.finished.append(seq)
+    assert not sched.block_manager.hash_to_block_id
+    assert [e.block_id for e in engine.of_kind("block_evict")] == seq_blocks(engine, seq)[:2]
+    again = engine.add(prompt(2 * BS + 3), max_tokens=2)
+    engine.run()
+    assert again.num_prompt_cached_tokens == 0
+    assert sched.fail(seq.seq_id) is None  # already gone
+
+
+def seq_blocks(engine: FakeEngine, seq: Sequence) -> list[int]:
+    return list(next(e for e in engine.of_kind("block_alloc") if e.request_id == seq.seq_id).block_ids)
+
+
 def test_only_the_first_request_of_a_step_is_chunked():
     engine = FakeEngine(max_num_batched_tokens=64)
     a = engine.add(prompt(40), max_tokens=1)

@@ -131,6 +131,39 @@ def test_reset_prefix_cache_makes_a_rerun_compute_its_prompts(tiny_checkpoint):
     assert hits == [0, 0]
 
 
+def test_a_prefill_that_fails_on_landing_fails_its_requests_and_caches_nothing(tiny_checkpoint, monkeypatch):
+    """The prefill is collected a step later (asynchronous scheduling); when reading its tokens
+    raises, its requests fail with their blocks freed and withdrawn from the prefix cache, the step
+    launched meanwhile is still collected, and the engine serves the next request."""
+    from engine.model_runner import LaunchedStep
+
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    prompt, params = list(range(1, 60)), greedy(4)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    llm.reset_prefix_cache()
+    finished = []
+    llm.events.subscribe(lambda e: finished.append(e.reason) if e.kind == "request_finished" else None)
+    request = llm.add_request(prompt, params)
+    assert llm.step() == ([], len(prompt))  # launched, not yet collected
+
+    def lost(self):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LaunchedStep, "token_ids", lost)
+        with pytest.raises(RuntimeError, match="device lost"):
+            llm.step()  # launches the request's first decode, then collects the prefill
+    assert finished == ["error"] and not llm.is_finished()
+    assert llm.step() == ([], 0)  # collects the decode launched meanwhile; its request is gone
+    bm = llm.scheduler.block_manager
+    assert llm.is_finished() and not bm.hash_to_block_id and bm.num_free_blocks == bm.num_blocks
+    assert not llm.abort_request(request)
+    hits = []
+    llm.events.subscribe(lambda e: hits.append(e.hit_tokens) if e.kind == "prefix_hit" else None)
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == expected
+    assert hits == [0]
+
+
 def test_add_request_step_abort(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
     keep = llm.add_request([1, 2, 3, 4], greedy(6))
