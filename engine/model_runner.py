@@ -115,7 +115,7 @@ class ModelRunner:
         # Filled by capture_cudagraph(), which the engine calls once it has announced itself.
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_bs: list[int] = []
-        self.graph_outputs: torch.Tensor | None = None
+        self.graph_logits: torch.Tensor | None = None  # rank 0's; other ranks' graphs end in the gather
 
     @property
     def uses_cudagraphs(self) -> bool:
@@ -243,8 +243,10 @@ class ModelRunner:
         self.decode_inputs.stage(seqs, num_rows, self.sample_rows, self.block_size)
         return num_rows
 
-    def decode_forward(self, num_rows: int) -> torch.Tensor:
-        """The forward over the first ``num_rows`` staged decode rows: what each CUDA graph captures."""
+    def decode_forward(self, num_rows: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The logits of the first ``num_rows`` staged decode rows (rank 0; None on other ranks), into
+        ``out`` if given: what each CUDA graph captures, LM head included, so that replays choose no
+        GEMM kernel per batch."""
         inputs = self.decode_inputs
         rows = inputs.view("sample_rows", num_rows)
         # A token the previous step was still sampling when this one was prepared is read on the device.
@@ -253,7 +255,7 @@ class ModelRunner:
                             context_lens=inputs.view("context_lens", num_rows),
                             block_tables=inputs.view("block_tables", num_rows)))
         try:
-            return self.model(input_ids, inputs.view("positions", num_rows))
+            return self.model.compute_logits(self.model(input_ids, inputs.view("positions", num_rows)), out)
         finally:
             reset_context()
 
@@ -262,25 +264,28 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
         """Capture ``decode_forward`` for each size of ``graph_batch_sizes``, largest first, all in one
-        memory pool. Replays read the staged inputs in place and write ``graph_outputs``."""
+        memory pool. Replays read the staged inputs in place and write ``graph_logits``."""
         device = self.device
         self.graph_bs = graph_batch_sizes(self.config.max_num_seqs)
-        self.graph_outputs = torch.zeros(self.graph_bs[-1], self.model_config.hidden_size, dtype=self.dtype,
-                                         device=device)
-        # Captured with every row as padding (slot -1, length 0): no cache entry is touched.
-        self.decode_inputs.stage([], self.graph_bs[-1], {}, self.block_size)
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
+        if self.rank == 0:
+            self.graph_logits = torch.zeros(self.graph_bs[-1], self.model_config.vocab_size, dtype=self.dtype,
+                                            device=device)
+        # Captured with every row as padding (slot -1, length 0): no cache entry is touched.
+        self.decode_inputs.stage([], self.graph_bs[-1], {}, self.block_size)
         pool = None
         for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="Capturing CUDA graphs",
                        disable=self.rank != 0, leave=False):
             # One eager run first: kernels compile and allocate outside the capture.
-            self.graph_outputs[:bs] = self.decode_forward(bs)
+            out = None if self.graph_logits is None else self.graph_logits[:bs]
+            self.decode_forward(bs, out)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.graph_outputs[:bs] = self.decode_forward(bs)
+                self.decode_forward(bs, out)
             pool = graph.pool() if pool is None else pool
+            graph.replay()  # the first replay uploads the graph: not in a request's step
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
@@ -289,14 +294,16 @@ class ModelRunner:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def _decode_logits(self, num_rows: int, num_seqs: int) -> tuple[torch.Tensor, int | None]:
-        """Logits of the staged decode rows, and the padded batch size when a captured graph ran."""
+    def _decode_logits(self, num_rows: int, num_seqs: int) -> tuple[torch.Tensor | None, int | None]:
+        """Logits of the staged decode rows (rank 0), and the padded batch size when a captured
+        graph ran."""
         if num_rows not in self.graphs:
-            return self.model.compute_logits(self.decode_forward(num_rows)[:num_seqs]), None
+            logits = self.decode_forward(num_rows)
+            return (None if logits is None else logits[:num_seqs]), None
         self.graphs[num_rows].replay()
         if self.events.active:
             self.events.emit(CudaGraphReplay, batch_size=num_seqs, padded_batch_size=num_rows)
-        return self.model.compute_logits(self.graph_outputs[:num_seqs]), num_rows
+        return (None if self.graph_logits is None else self.graph_logits[:num_seqs]), num_rows
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep | None:

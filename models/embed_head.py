@@ -43,8 +43,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits ``[num_seqs, vocab]`` on rank 0 (``None`` on other ranks).
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits ``[num_seqs, vocab]`` on rank 0 (``None`` on other ranks), into ``out`` if given.
 
         In prefill only each sequence's last position is projected: that is the only one sampled,
         and the full ``[tokens, vocab]`` product would dominate a long prefill's memory.
@@ -52,9 +52,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             hidden_states = hidden_states[context.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(hidden_states, self.weight)
         if self.tp_size == 1:
-            return logits
+            return torch.matmul(hidden_states, self.weight.t(), out=out)
+        logits = F.linear(hidden_states, self.weight)
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, shards, dst=0)
-        return torch.cat(shards, dim=-1) if self.tp_rank == 0 else None
+        return torch.cat(shards, dim=-1, out=out) if self.tp_rank == 0 else None

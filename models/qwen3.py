@@ -117,6 +117,7 @@ class Qwen3ForCausalLM(nn.Module):
         """Final hidden states ``[num_tokens, hidden]``; call ``compute_logits`` on them."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits of each sequence's sampled position (rank 0 only; ``None`` on other ranks)."""
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits of each sequence's sampled position (rank 0 only; ``None`` on other ranks), written
+        into ``out`` when given."""
+        return self.lm_head(hidden_states, out)
