@@ -1,5 +1,5 @@
-"""Pure-torch paged attention, QK-norm/rotary/KV store and RMSNorm: the CPU backend, the math the
-compiled CUDA paths trace, and the oracle for the Triton kernels.
+"""Pure-torch paged attention, QK-norm/rotary/KV store, RMSNorm and the decode GEMM: the CPU backend,
+the math the compiled CUDA paths trace, and the oracle for the Triton kernels.
 
 Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
 ``block_id * block_size + offset``. Query tokens of a sequence are the *last* ``q_len`` of its
@@ -134,3 +134,16 @@ def decode_attention_ref(
         v = _gather_kv(v_cache, block_tables[i], length)
         out[i] = _attend(q[i : i + 1], k, v, scale)[0]
     return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a packed ``[gate | up]`` last dimension, computed in float32 and rounded once."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """``x @ weight.T`` accumulated in float32 and rounded to ``x``'s dtype; with ``silu_mul`` the
+    weight stacks gate and up, and SiLU-and-mul of the two products follows."""
+    y = (x.float() @ weight.float().T).to(x.dtype)
+    return silu_and_mul_ref(y) if silu_mul else y

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits
 from models.activation import SiluAndMul
 from models.attention import Attention
 from models.config import Qwen3Config
@@ -50,6 +51,9 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if skinny_gemm_fits(x, self.gate_up_proj.weight):
+            # A decode-sized batch: one kernel for the projection and the activation.
+            return self.down_proj(skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

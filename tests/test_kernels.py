@@ -20,8 +20,10 @@ from kernels.reference import (
     decode_attention_ref,
     norm_rope_store_ref,
     prefill_attention_ref,
+    skinny_gemm_ref,
     store_kvcache_ref,
 )
+from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm, skinny_gemm_fits
 from models.rotary import RotaryEmbedding
 
 
@@ -281,6 +283,49 @@ def test_norm_rope_store_cpu_empty_and_all_skipped() -> None:
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+def _check_skinny_gemm(m: int, n: int, k: int, silu_mul: bool, config: GemmConfig | None,
+                       dtype: torch.dtype, device: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=device)
+    weight = (torch.randn(2 * n if silu_mul else n, k, generator=gen) * k**-0.5).to(dtype=dtype, device=device)
+    out = skinny_gemm(x, weight, silu_mul, config)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert _rel_err(out, skinny_gemm_ref(x, weight, silu_mul)) < _TOL[dtype]
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("m,n,k,silu_mul,config", [
+    (1, 64, 256, False, None),
+    (5, 96, 256, True, None),  # N not a multiple of the tile: masked columns
+    (17, 128, 512, False, GemmConfig(16, 64, 64)),
+    (40, 64, 1024, True, GemmConfig(32, 32, 128)),
+    (3, 64, 96, True, None),  # K = 96: a 32-wide reduction step
+])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+def test_skinny_gemm_cpu(m: int, n: int, k: int, silu_mul: bool, config: GemmConfig | None,
+                         dtype: torch.dtype) -> None:
+    _check_skinny_gemm(m, n, k, silu_mul, config, dtype, "cpu", m)
+
+
+@pytest.mark.usefixtures("cpu")
+def test_skinny_gemm_refuses_shapes_it_cannot_take() -> None:
+    x, weight = torch.randn(4, 256), torch.randn(64, 256)
+    with pytest.raises(ValueError, match="do not multiply"):
+        skinny_gemm(torch.randn(4, 128), weight)
+    with pytest.raises(ValueError, match="even number"):
+        skinny_gemm(x, torch.randn(63, 256), True)
+    with pytest.raises(ValueError, match="multiple of the 128-wide"):
+        skinny_gemm(torch.randn(4, 96), torch.randn(64, 96), config=GemmConfig(16, 32, 128))
+    assert not skinny_gemm_fits(x, weight)  # on the CPU the engine keeps torch's path
+
+
+def test_choose_config_divides_k() -> None:
+    for m in (1, 8, 16, 64, 129, 256):
+        for k in (1024, 2560, 80, 48):
+            c = choose_config(m, k)
+            assert k % c.block_k == 0 and c.block_m >= min(m, 16)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: wide sweep in bf16 and fp16 on CUDA
 
@@ -400,3 +445,34 @@ def test_decode_cuda_graph_gpu() -> None:
     torch.cuda.synchronize()
     ref = decode_attention_ref(q, k_cache, v_cache, lens, tables, 0.125)
     assert _rel_err(out, ref) < _TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("m", (1, 2, 8, 16, 33, 64, 128, 255, 256))
+def test_skinny_gemm_gpu(m: int) -> None:
+    """The decode MLP's gate/up + SiLU of Qwen3-0.6B and -4B at every kind of batch, and forced tiles."""
+    for n, k in ((3072, 1024), (9728, 2560)):
+        _check_skinny_gemm(m, n, k, True, None, torch.bfloat16, "cuda", m)
+    _check_skinny_gemm(m, 1000, 1024, False, GemmConfig(64, 128, 64, num_warps=8), torch.bfloat16, "cuda", 1)
+    _check_skinny_gemm(m, 512, 256, True, GemmConfig(16, 32, 64, num_stages=3), torch.float16, "cuda", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+def test_skinny_gemm_cuda_graph_gpu() -> None:
+    """Replays of a captured product read the new input and match an eager launch bit for bit."""
+    x = torch.randn(48, 1024, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(2 * 3072, 1024, dtype=torch.bfloat16, device="cuda") * 0.03
+    out = torch.empty(48, 3072, dtype=torch.bfloat16, device="cuda")
+    out.copy_(skinny_gemm(x, weight, True))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(skinny_gemm(x, weight, True))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, skinny_gemm_ref(x, weight, True)) < _TOL[torch.bfloat16]
+        assert torch.equal(out, skinny_gemm(x, weight, True))

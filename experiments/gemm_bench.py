@@ -1,0 +1,136 @@
+"""Decode-GEMM microbenchmark (GPU): the Triton skinny GEMM against cuBLAS at decode batch sizes.
+
+Each figure is one projection of a Qwen3 decoder layer, timed the way a decode step runs it: 28
+copies with distinct weights (so the weights come from HBM, not L2) captured in one CUDA graph,
+replayed, and divided by 28. ``gate_up+silu`` compares cuBLAS followed by the compiled
+SiLU-and-mul kernel (the engine's prefill path) with the skinny GEMM that ends in SiLU-and-mul;
+the other rows compare plain products. The floor is the weight's bytes over the device-copy
+bandwidth measured in the same run.
+
+    python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b]
+
+``--sweep`` times every tile candidate of the fused gate_up+silu product and prints the best
+next to ``choose_config``'s pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from experiments.attention_bench import copy_bandwidth
+from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
+from models.activation import silu_and_mul
+
+LAYERS = 28
+DTYPE = torch.bfloat16
+PRESETS = {"qwen3-0.6b": (1024, 2048, 1024, 3072), "qwen3-4b": (2560, 4096, 1024, 9728)}
+
+
+@dataclass(frozen=True)
+class Projection:
+    name: str
+    n: int
+    k: int
+    silu_mul: bool = False
+
+
+def projections(preset: str) -> list[Projection]:
+    hidden, q_size, kv_size, intermediate = PRESETS[preset]
+    return [Projection("qkv", q_size + 2 * kv_size, hidden), Projection("o", hidden, q_size),
+            Projection("gate_up+silu", intermediate, hidden, True), Projection("down", hidden, intermediate)]
+
+
+def graph_us(calls: list) -> float:
+    """Median microseconds per call when ``calls`` replay as one CUDA graph."""
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def candidates(m: int, k: int) -> list[GemmConfig]:
+    smallest_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    block_ms = [smallest_m] + ([128] if m >= 128 else [])
+    configs = []
+    for block_m, block_n, block_k, num_stages in itertools.product(block_ms, (32, 64, 128), (64, 128), (3, 4)):
+        if k % block_k == 0:
+            configs.append(GemmConfig(block_m, block_n, block_k, 8 if block_m * block_n >= 8192 else 4, num_stages))
+    return configs
+
+
+def timed_configs(configs: list[GemmConfig], calls_for) -> list[tuple[float, GemmConfig]]:
+    timed = []
+    for config in configs:
+        try:
+            timed.append((graph_us(calls_for(config)), config))
+        except triton.runtime.errors.OutOfResources:  # a tile too large for shared memory
+            continue
+    return timed
+
+
+def bench(proj: Projection, m: int, copy_bw: float, sweep: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    rows = 2 * proj.n if proj.silu_mul else proj.n
+    weights = [torch.randn(rows, proj.k, dtype=DTYPE, device="cuda", generator=gen) * 0.03 for _ in range(LAYERS)]
+    x = torch.randn(m, proj.k, dtype=DTYPE, device="cuda", generator=gen)
+    post = silu_and_mul if proj.silu_mul else (lambda y: y)
+    ref = post(F.linear(x, weights[0]))
+    err = ((skinny_gemm(x, weights[0], proj.silu_mul).float() - ref.float()).norm() / ref.float().norm()).item()
+    if err > 1e-2:
+        raise AssertionError(f"{proj.name} m={m}: relative error {err:.2e} against cuBLAS")
+    floor_us = rows * proj.k * 2 / copy_bw * 1e6
+    cublas = graph_us([lambda w=w: post(F.linear(x, w)) for w in weights])
+    picked = choose_config(m, proj.k)
+    triton_us = graph_us([lambda w=w: skinny_gemm(x, w, proj.silu_mul, picked) for w in weights])
+    line = (f"{proj.name:>10} M={m:<4} floor {floor_us:6.2f} us | cuBLAS {cublas:6.2f} us ({floor_us / cublas:4.0%}) | "
+            f"skinny {triton_us:6.2f} us ({floor_us / triton_us:4.0%}) {picked.block_m}x{picked.block_n}x{picked.block_k}"
+            f" | x{cublas / triton_us:.2f}")
+    if sweep and proj.silu_mul:
+        timed = timed_configs(candidates(m, proj.k),
+                              lambda c: [lambda w=w: skinny_gemm(x, w, proj.silu_mul, c) for w in weights])
+        best_us, best = min(timed, key=lambda t: t[0])
+        line += (f" | best {best_us:6.2f} us {best.block_m}x{best.block_n}x{best.block_k}"
+                 f" w{best.num_warps} s{best.num_stages}")
+    print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256],
+                        help="decode batch sizes (GEMM rows) to time")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-0.6b")
+    parser.add_argument("--sweep", action="store_true", help="also time every tile candidate of gate_up+silu")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gemm_bench needs a CUDA GPU")
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s; {LAYERS} layers per graph, {args.preset}")
+    for m in args.rows:
+        for proj in projections(args.preset):
+            bench(proj, m, copy_bw, args.sweep)
+
+
+if __name__ == "__main__":
+    main()
