@@ -8,8 +8,11 @@ the activation costs no kernel, launch or round trip of its own. Products round 
 before the activation, as on the unfused path.
 
 Measured against cuBLAS plus the compiled activation (``experiments/gemm_bench.py``, H200, 28
-layers' weights per CUDA graph): 6.2 vs 7.3-7.6 us per layer at 1-16 rows, 6.8 vs 8.4 at 64, 11.5
-vs 12.7 at 256. The plain product is no faster than cuBLAS, so the engine uses only the fused one.
+layers' weights per CUDA graph), Qwen3-0.6B's product (1,024 -> 2 x 3,072): 6.2 vs 7.3-7.6 us per
+layer at 1-16 rows, 6.8 vs 8.4 at 64, 11.5 vs 12.7 at 256. Qwen3-4B's (2,560 -> 2 x 9,728) gained at
+up to 32 rows and lost at 128 and more (decode steps 0.6-0.8 ms slower), where cuBLAS's Hopper
+kernels pull ahead on the arithmetic; ``MAX_MACS`` keeps such products on cuBLAS. The plain
+product is no faster than cuBLAS, so the engine uses only the fused one.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows beyond this go to cuBLAS and the compiled activation, which tile them well (prefill).
-MAX_ROWS = 256
+# Larger products (rows x weight elements) go to cuBLAS and the compiled activation: every
+# prefill, and decode batches of models where the product is no longer bandwidth-bound (Qwen3-0.6B
+# stays below this up to 341 rows, Qwen3-4B up to 43).
+MAX_MACS = 2**31
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +87,9 @@ def choose_config(m: int, k: int) -> GemmConfig:
 
 
 def skinny_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_gemm`` takes this product: CUDA, at most ``MAX_ROWS`` rows, K a multiple of 16."""
-    return x.is_cuda and x.shape[0] <= MAX_ROWS and weight.shape[1] % 16 == 0
+    """Whether ``skinny_gemm`` takes this product: CUDA, at most ``MAX_MACS`` multiply-adds, K a
+    multiple of 16."""
+    return x.is_cuda and x.shape[0] * weight.numel() <= MAX_MACS and weight.shape[1] % 16 == 0
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,

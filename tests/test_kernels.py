@@ -456,6 +456,10 @@ def test_skinny_gemm_gpu(m: int) -> None:
         _check_skinny_gemm(m, n, k, True, None, torch.bfloat16, "cuda", m)
     _check_skinny_gemm(m, 1000, 1024, False, GemmConfig(64, 128, 64, num_warps=8), torch.bfloat16, "cuda", 1)
     _check_skinny_gemm(m, 512, 256, True, GemmConfig(16, 32, 64, num_stages=3), torch.float16, "cuda", 2)
+    x = torch.empty(m, 1024, dtype=torch.bfloat16, device="cuda")
+    assert skinny_gemm_fits(x, torch.empty(2 * 3072, 1024, dtype=torch.bfloat16, device="cuda"))
+    x = torch.empty(m, 2560, dtype=torch.bfloat16, device="cuda")
+    assert skinny_gemm_fits(x, torch.empty(2 * 9728, 2560, dtype=torch.bfloat16, device="cuda")) == (m <= 43)
 
 
 @pytest.mark.gpu
