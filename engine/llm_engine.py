@@ -244,7 +244,7 @@ class LLMEngine:
         # The batch is lost, the engine is not (unless its tensor-parallel ranks fell out of step,
         # which the group reports on every later call): fail these requests and free their blocks.
         for seq in batch.seqs:
-            self.scheduler.fail(seq.seq_id)
+            self.scheduler.fail(seq)
             self._seqs.pop(seq.seq_id, None)
 
     def generate(self, prompts: SequenceOf[Prompt], sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,

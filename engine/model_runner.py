@@ -297,9 +297,8 @@ class ModelRunner:
     def _decode_logits(self, num_rows: int, num_seqs: int) -> tuple[torch.Tensor | None, int | None]:
         """Logits of the staged decode rows (rank 0), and the padded batch size when a captured
         graph ran."""
-        if num_rows not in self.graphs:
-            logits = self.decode_forward(num_rows)
-            return (None if logits is None else logits[:num_seqs]), None
+        if num_rows not in self.graphs:  # no graph of this size: the rows were not padded
+            return self.decode_forward(num_rows), None
         self.graphs[num_rows].replay()
         if self.events.active:
             self.events.emit(CudaGraphReplay, batch_size=num_seqs, padded_batch_size=num_rows)

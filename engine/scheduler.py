@@ -244,14 +244,11 @@ class Scheduler:
                     return seq
         return None
 
-    def fail(self, seq_id: int) -> Sequence | None:
+    def fail(self, seq: Sequence) -> Sequence | None:
         """Abort a request whose step failed: the K/V of its blocks may never have been written, so
-        they also leave the prefix cache."""
-        for seq in (*self.waiting, *self.running):
-            if seq.seq_id == seq_id:
-                self.block_manager.uncache(seq)
-                break
-        return self.abort(seq_id, reason="error")
+        they also leave the prefix cache (a request already finished holds none)."""
+        self.block_manager.uncache(seq)
+        return self.abort(seq.seq_id, reason="error")
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.truncate(seq.num_known_tokens)  # an aborted request drops the tokens still in flight

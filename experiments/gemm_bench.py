@@ -1,8 +1,8 @@
 """Decode-GEMM microbenchmark (GPU): the Triton skinny GEMM against cuBLAS at decode batch sizes.
 
-Each figure is one projection of a Qwen3 decoder layer, timed the way a decode step runs it: 28
-copies with distinct weights (so the weights come from HBM, not L2) captured in one CUDA graph,
-replayed, and divided by 28. ``gate_up+silu`` compares cuBLAS followed by the compiled
+Each figure is one projection of a Qwen3 decoder layer, timed the way a decode step runs it: one
+copy per layer with distinct weights (so the weights come from HBM, not L2) captured in one CUDA
+graph, replayed, and divided by the number of layers. ``gate_up+silu`` compares cuBLAS followed by the compiled
 SiLU-and-mul kernel (the engine's prefill path) with the skinny GEMM that ends in SiLU-and-mul;
 the other rows compare plain products. The floor is the weight's bytes over the device-copy
 bandwidth measured in the same run.
@@ -27,10 +27,10 @@ import triton
 from experiments.attention_bench import copy_bandwidth
 from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
 from models.activation import silu_and_mul
+from models.checkpoint import PRESETS
+from models.config import Qwen3Config
 
-LAYERS = 28
 DTYPE = torch.bfloat16
-PRESETS = {"qwen3-0.6b": (1024, 2048, 1024, 3072), "qwen3-4b": (2560, 4096, 1024, 9728)}
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,10 @@ class Projection:
     silu_mul: bool = False
 
 
-def projections(preset: str) -> list[Projection]:
-    hidden, q_size, kv_size, intermediate = PRESETS[preset]
+def projections(config: Qwen3Config) -> list[Projection]:
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
     return [Projection("qkv", q_size + 2 * kv_size, hidden), Projection("o", hidden, q_size),
             Projection("gate_up+silu", intermediate, hidden, True), Projection("down", hidden, intermediate)]
 
@@ -90,10 +92,10 @@ def timed_configs(configs: list[GemmConfig], calls_for) -> list[tuple[float, Gem
     return timed
 
 
-def bench(proj: Projection, m: int, copy_bw: float, sweep: bool) -> None:
+def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(m)
     rows = 2 * proj.n if proj.silu_mul else proj.n
-    weights = [torch.randn(rows, proj.k, dtype=DTYPE, device="cuda", generator=gen) * 0.03 for _ in range(LAYERS)]
+    weights = [torch.randn(rows, proj.k, dtype=DTYPE, device="cuda", generator=gen) * 0.03 for _ in range(layers)]
     x = torch.randn(m, proj.k, dtype=DTYPE, device="cuda", generator=gen)
     post = silu_and_mul if proj.silu_mul else (lambda y: y)
     ref = post(F.linear(x, weights[0]))
@@ -120,16 +122,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256],
                         help="decode batch sizes (GEMM rows) to time")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-0.6b")
+    parser.add_argument("--preset", choices=sorted(p for p in PRESETS if p != "tiny"), default="qwen3-0.6b")
     parser.add_argument("--sweep", action="store_true", help="also time every tile candidate of gate_up+silu")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemm_bench needs a CUDA GPU")
+    config = PRESETS[args.preset]
     copy_bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s; {LAYERS} layers per graph, {args.preset}")
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s; "
+          f"{config.num_hidden_layers} layers per graph, {args.preset}")
     for m in args.rows:
-        for proj in projections(args.preset):
-            bench(proj, m, copy_bw, args.sweep)
+        for proj in projections(config):
+            bench(proj, m, config.num_hidden_layers, copy_bw, args.sweep)
 
 
 if __name__ == "__main__":

@@ -207,14 +207,14 @@ def test_a_failed_step_withdraws_its_blocks_from_the_prefix_cache():
     batch = sched.schedule()
     sched.expect_tokens(batch)  # launched: its full blocks are registered
     assert len(sched.block_manager.hash_to_block_id) == 2
-    assert sched.fail(seq.seq_id) is seq and seq.finish_reason == "error"
+    assert sched.fail(seq) is seq and seq.finish_reason == "error"
     engine.finished.append(seq)
     assert not sched.block_manager.hash_to_block_id
     assert [e.block_id for e in engine.of_kind("block_evict")] == seq_blocks(engine, seq)[:2]
     again = engine.add(prompt(2 * BS + 3), max_tokens=2)
     engine.run()
     assert again.num_prompt_cached_tokens == 0
-    assert sched.fail(seq.seq_id) is None  # already gone
+    assert sched.fail(seq) is None  # already gone
 
 
 def seq_blocks(engine: FakeEngine, seq: Sequence) -> list[int]:
