@@ -78,14 +78,22 @@ class LaunchedStep:
     prepare_s: float
     launch_s: float
     padded_batch_size: int | None
+    launch_order: list[int] | None = None  # samples[j] belongs to the caller's sequence launch_order[j]
     wait_s: float = 0.0
 
     def token_ids(self) -> list[int]:
+        """One sampled id per sequence, in the order the sequences were passed to ``launch``."""
         t = time.perf_counter()
         if self.ready is not None:
             self.ready.synchronize()
         self.wait_s = time.perf_counter() - t
-        return self.samples.tolist()
+        samples = self.samples.tolist()
+        if self.launch_order is None:
+            return samples
+        token_ids = [0] * len(samples)
+        for row, index in enumerate(self.launch_order):
+            token_ids[index] = samples[row]
+        return token_ids
 
 
 class ModelRunner:
@@ -310,7 +318,13 @@ class ModelRunner:
         waiting for the device. Rank 0 returns the handle to read the ids with; other ranks None."""
         t0 = time.perf_counter()
         n = len(seqs)
-        padded_batch_size = None
+        padded_batch_size = launch_order = None
+        if not is_prefill:
+            # Longest context first: the attention grid starts its longest programs first and ends on
+            # short ones, so fewer SMs idle at the end of each layer's kernel (sorted() is stable, so
+            # every tensor-parallel rank computes the same order).
+            launch_order = sorted(range(n), key=lambda i: -seqs[i].num_tokens)
+            seqs = [seqs[i] for i in launch_order]
         if is_prefill:
             input_ids, positions = self.prepare_prefill(seqs)
             temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
@@ -339,7 +353,7 @@ class ModelRunner:
         else:
             samples, ready = self.sampled[:n].clone(), None
         return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
-                            padded_batch_size=padded_batch_size)
+                            padded_batch_size=padded_batch_size, launch_order=launch_order)
 
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": dtype_name(self.dtype), "attention_backend": self.backend.name}

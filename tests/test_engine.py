@@ -16,6 +16,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.llm_engine import LLM
+from engine.model_runner import LaunchedStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError
 from models.errors import CheckpointError
@@ -103,6 +104,13 @@ def test_greedy_tokens_equal_transformers(name, tiny_checkpoint, prompts, refere
     elif name not in ("default", "preemption"):  # 256-token blocks: these prompts fill none
         assert sum(hits) > 0
     assert len(llm.scheduler.block_manager.free_block_ids) == llm.config.num_kvcache_blocks
+
+
+def test_a_launched_step_returns_tokens_in_the_callers_order():
+    # A decode launches its sequences longest first; samples[j] is the token of sequence launch_order[j].
+    step = LaunchedStep(torch.tensor([30, 10, 20]), None, prepare_s=0.0, launch_s=0.0, padded_batch_size=None,
+                        launch_order=[2, 0, 1])
+    assert step.token_ids() == [10, 20, 30]
 
 
 def test_results_come_back_in_prompt_order_with_text(tiny_checkpoint):
