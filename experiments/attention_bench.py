@@ -7,7 +7,13 @@ bandwidth of a large ``dst.copy_(src)`` measured in the same run (bytes read + w
 Default shape: Qwen3-0.6B attention (16 q heads, 8 KV heads, head_dim 128, bf16), batch 256,
 contexts uniform in [900, 1100], block sizes 256 and 16.
 
-    python -m experiments.attention_bench [--sweep] [--splits] [--batch 256]
+    python -m experiments.attention_bench [--sweep] [--splits] [--batch 256] [--run-shapes]
+
+``--run-shapes`` times decode on the yardstick's own shapes instead: at batch b the survivors of
+``bench.py``'s workload have decoded about ``t = 100 + 924 (1 - b / 256)`` tokens after prompts of
+100-1,024, so their contexts are ``U[100, 1024] + t``. Each row is the engine's launch (sequences
+longest first, the default tile and split count) against the same batch in arrival order and
+against forced 64- and 128-token tiles.
 
 Measured on an H200 (torch 2.11, triton 3.6; no H100 was free), copy 4,250-4,270 GB/s: decode at
 batch 256 ran 258-265 us, 3,940-4,030 GB/s, 92-95% of copy with block 256 and block 16 alike.
@@ -120,17 +126,42 @@ def bench_prefill(q_lens: list[int], prefix: int, block_size: int, configs: list
     return rows
 
 
+def bench_run_shapes(copy_bw: float) -> None:
+    print("decode on the yardstick's shapes, block 256 (share of copy bandwidth)")
+    for batch in (256, 192, 128, 96, 64, 32, 16):
+        done = int(100 + 924 * (1 - batch / 256))
+        rng = random.Random(batch)
+        ctx = sorted((rng.randint(100, 1024) + done for _ in range(batch)), reverse=True)
+        k_cache, v_cache, tables = _paged(ctx, 256)
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+        kv_bytes = sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2 * k_cache.element_size()
+        arrival = torch.randperm(batch, device="cuda")
+        cells = []
+        for label, rows, cfg in (("engine", None, {}), ("arrival order", arrival, {}),
+                                 ("tile 64", None, {"tile": 64}), ("tile 128", None, {"tile": 128})):
+            qq, ll, tt = (q, lens, tables) if rows is None else (q[rows], lens[rows], tables[rows])
+            out = torch.empty_like(qq)
+            ms = _median_ms(lambda: decode_attention(qq, k_cache, v_cache, ll, tt, HEAD_DIM**-0.5, out=out, **cfg))
+            cells.append(f"{label} {kv_bytes / (ms * 1e-3) / copy_bw:6.1%}")
+        print(f"batch {batch:>3}, contexts {ctx[-1]:>4}-{ctx[0]:<4}  " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile/warps/stages")
     parser.add_argument("--splits", action="store_true", help="time every split count at small batches")
+    parser.add_argument("--run-shapes", action="store_true", help="time decode on the yardstick's shapes only")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     print(f"device copy bandwidth (read + write): {copy_bw / 1e9:,.0f} GB/s\n")
+    if args.run_shapes:
+        bench_run_shapes(copy_bw)
+        return
 
     decode_configs: list[dict] = [{}]
     if args.sweep:
