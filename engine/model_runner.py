@@ -319,12 +319,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         n = len(seqs)
         padded_batch_size = launch_order = None
-        if not is_prefill:
-            # Longest context first: the attention grid starts its longest programs first and ends on
-            # short ones, so fewer SMs idle at the end of each layer's kernel (sorted() is stable, so
-            # every tensor-parallel rank computes the same order).
-            launch_order = sorted(range(n), key=lambda i: -seqs[i].num_tokens)
-            seqs = [seqs[i] for i in launch_order]
         if is_prefill:
             input_ids, positions = self.prepare_prefill(seqs)
             temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
@@ -334,6 +328,11 @@ class ModelRunner:
             finally:
                 reset_context()
         else:
+            # Longest context first: the attention grid starts its longest programs first and ends on
+            # short ones, so fewer SMs idle at the end of each layer's kernel (sorted() is stable, so
+            # every tensor-parallel rank computes the same order).
+            launch_order = sorted(range(n), key=lambda i: -seqs[i].num_tokens)
+            seqs = [seqs[i] for i in launch_order]
             num_rows = self.prepare_decode(seqs)
             temperatures = self.decode_inputs.view("temperatures", n)
             t1 = time.perf_counter()

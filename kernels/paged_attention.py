@@ -28,7 +28,7 @@ _MIN_SPLIT_TOKENS = 256
 _PROGRAMS_PER_SM = 2
 # From this many programs per SM a decode program streams 128-token tiles, below it 64. Measured on
 # an H100 on the yardstick's shapes (batch 32-256, contexts of a few hundred to ~1,900 tokens): 128
-# gained 1-4 points of copy bandwidth at batch >= 96 (6+ programs per SM) and lost 3 at batch 64.
+# gained 1-4 points of copy bandwidth at batch >= 96 (6+ programs per SM) and lost 3-5 at batch 64.
 _LARGE_TILE_PROGRAMS_PER_SM = 5
 
 
