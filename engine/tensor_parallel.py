@@ -153,8 +153,7 @@ class TensorParallelGroup:
     @contextlib.contextmanager
     def _in_step(self) -> Iterator[None]:
         workers = self._workers
-        if workers.failure is not None:
-            raise WorkerError(workers.failure)
+        self.raise_if_failed()
         if workers.out_of_step:
             raise RuntimeError("the tensor-parallel ranks are out of step after an earlier error or "
                                "interruption: close this engine and start a new one")
@@ -167,14 +166,12 @@ class TensorParallelGroup:
             if workers.failed.wait(_FAILURE_GRACE_S):
                 raise WorkerError(workers.failure) from exc
             raise
-        # An aborted NCCL collective can return normally, with garbage.
-        if workers.failure is not None:
-            raise WorkerError(workers.failure)
+        self.raise_if_failed()
         workers.out_of_step = False
 
     def raise_if_failed(self) -> None:
-        """For rank 0 after it waited on the device: a collective aborted because a worker died
-        returns normally, with garbage."""
+        """Raise the error of a worker that died. Also for rank 0 after it waited on the device: a
+        collective aborted because a worker died returns normally, with garbage."""
         if self._workers.failure is not None:
             raise WorkerError(self._workers.failure)
 

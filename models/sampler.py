@@ -41,7 +41,6 @@ def _exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, generato
 class Sampler(nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()
-        self.seed = seed
         self.calls = 0
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
