@@ -150,6 +150,7 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], n
     batch shrinks as requests finish). Each window also gives its wall time and kernel launches."""
     from torch.profiler import ProfilerActivity, profile
 
+    llm.reset_prefix_cache()  # the prefill window computes every prompt, as a timed run does
     request_ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
     running = llm.scheduler.running
 

@@ -239,6 +239,8 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_checkpoint):
         ([4096], "outside the vocabulary"),
         ("", "empty"),
         (3.5, "string or a list of token ids"),
+        ([1, 2.5], r"list of token ids \(ints\), got a list of float, int"),
+        ([2**70], "list of token ids"),
     ]
     for prompt, match in cases:
         with pytest.raises(RequestRejectedError, match=match):
