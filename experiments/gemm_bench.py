@@ -2,7 +2,7 @@
 
 Each figure is one projection of a Qwen3 decoder layer, timed the way a decode step runs it: one
 copy per layer with distinct weights (so the weights come from HBM, not L2) captured in one CUDA
-graph, replayed, and divided by the number of layers. ``gate_up+silu`` compares cuBLAS followed by the compiled
+graph, replayed, and divided by the number of layers. ``gate_up+silu`` compares cuBLAS followed by the Triton
 SiLU-and-mul kernel (the engine's prefill path) with the skinny GEMM that ends in SiLU-and-mul;
 the other rows compare plain products. The floor is the weight's bytes over the device-copy
 bandwidth measured in the same run.
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 
 from experiments.attention_bench import copy_bandwidth
+from kernels.activation import silu_and_mul
 from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
-from models.activation import silu_and_mul
 from models.checkpoint import PRESETS
 from models.config import Qwen3Config
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Larger products (rows x weight elements) go to cuBLAS and the compiled activation: every
+# Larger products (rows x weight elements) go to cuBLAS and the activation kernel: every
 # prefill, and decode batches of models where the product is no longer bandwidth-bound (Qwen3-0.6B
 # stays below this up to 341 rows, Qwen3-4B up to 43).
 MAX_MACS = 2**31

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from kernels import paged_attention as attn
+from kernels.activation import silu_and_mul
 from kernels.norm_rope_store import norm_rope_store
 from kernels.reference import (
     decode_attention_ref,
     norm_rope_store_ref,
     prefill_attention_ref,
+    silu_and_mul_ref,
     skinny_gemm_ref,
     store_kvcache_ref,
 )
@@ -319,6 +321,34 @@ def test_skinny_gemm_refuses_shapes_it_cannot_take() -> None:
     assert not skinny_gemm_fits(x, weight)  # on the CPU the engine keeps torch's path
 
 
+def _check_silu_and_mul(num_rows: int, n: int, dtype: torch.dtype, device: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    # A strided view, as the gate/up product of a larger buffer would be: rows are not packed.
+    x = (torch.randn(num_rows, 2 * n + 8, generator=gen) * 4).to(dtype=dtype, device=device)[:, :2 * n]
+    out = silu_and_mul(x)
+    assert out.shape == (num_rows, n) and out.dtype == dtype
+    ref = silu_and_mul_ref(x)
+    # Same float32 math (exp may differ in its last bits) and one rounding: a few units apart at most.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out, ref, atol=eps, rtol=4 * eps)
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("num_rows,n", [(1, 64), (7, 1100), (9, 2048)])  # partial row and column tiles
+def test_silu_and_mul_cpu(num_rows: int, n: int) -> None:
+    _check_silu_and_mul(num_rows, n, torch.float32, "cpu", num_rows)
+    _check_silu_and_mul(num_rows, n, torch.float16, "cpu", num_rows + 1)
+
+
+@pytest.mark.usefixtures("cpu")
+def test_silu_and_mul_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match="gate and up side by side"):
+        silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        silu_and_mul(torch.randn(8, 4).t())
+    assert silu_and_mul(torch.randn(0, 8)).shape == (0, 4)
+
+
 def test_choose_config_divides_k() -> None:
     for m in (1, 8, 16, 64, 129, 256):
         for k in (1024, 2560, 80, 48):
@@ -445,6 +475,15 @@ def test_decode_cuda_graph_gpu() -> None:
     torch.cuda.synchronize()
     ref = decode_attention_ref(q, k_cache, v_cache, lens, tables, 0.125)
     assert _rel_err(out, ref) < _TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+def test_silu_and_mul_gpu(dtype: torch.dtype) -> None:
+    """Prefill-sized activations of Qwen3-0.6B and -4B, and row counts that change every step."""
+    for seed, (num_rows, n) in enumerate(((16384, 3072), (4099, 9728), (1, 3072), (17, 100))):
+        _check_silu_and_mul(num_rows, n, dtype, "cuda", seed)
 
 
 @pytest.mark.gpu
