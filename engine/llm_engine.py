@@ -106,18 +106,21 @@ class LLMEngine:
         """The prompt's token ids, checked; raises ``RequestRejectedError`` naming what is wrong."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and not prompt:
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestRejectedError(
+                f"a prompt must be a string or a list of token ids (ints), got {type(prompt).__name__}")
+        if not prompt:
             return []  # the scheduler's check names the problem
         # numpy checks and converts in C: 256 prompts of ~600 ids take ~5 ms rather than ~20 ms of
         # Python loops before the first step can launch.
         try:
-            ids = np.asarray(prompt) if isinstance(prompt, (list, tuple)) else None
+            ids = np.asarray(prompt)
         except (TypeError, ValueError, OverflowError):
             ids = None
         if ids is None or ids.ndim != 1 or ids.dtype.kind not in "iu":
-            kinds = sorted({type(t).__name__ for t in prompt}) if isinstance(prompt, (list, tuple)) else []
-            got = f"a {type(prompt).__name__} of {', '.join(kinds)}" if kinds else type(prompt).__name__
-            raise RequestRejectedError(f"a prompt must be a string or a list of token ids (ints), got {got}")
+            kinds = ", ".join(sorted({type(t).__name__ for t in prompt}))
+            raise RequestRejectedError(
+                f"a prompt must be a string or a list of token ids (ints), got a {type(prompt).__name__} of {kinds}")
         vocab = self.model_config.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             bad = ids[(ids < 0) | (ids >= vocab)].tolist()
@@ -286,8 +289,7 @@ class LLMEngine:
             token_lists.append(token_ids)
         request_ids = [self._queue(next(Sequence.counter), token_ids, sp, None)
                        for token_ids, sp in zip(token_lists, params)]
-        results: dict[int, list[int]] = {}
-        texts: dict[int, str] = {}
+        results: dict[int, dict] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
@@ -301,10 +303,9 @@ class LLMEngine:
                     decode_tps = -num_tokens / dt
                 bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
                 for request_id, token_ids in outputs:
-                    results[request_id] = token_ids
                     # Detokenised as it finishes, while the GPU computes the step in flight: all at
                     # the end, ~134k tokens of the yardstick kept the GPU idle for ~60 ms.
-                    texts[request_id] = self.tokenizer.decode(token_ids)
+                    results[request_id] = {"text": self.tokenizer.decode(token_ids), "token_ids": token_ids}
                     bar.update(1)
         except BaseException:
             # Ctrl-C or an engine error: leave no half-finished request holding KV blocks.
@@ -314,7 +315,7 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-        return [{"text": texts[r], "token_ids": results[r]} for r in request_ids]
+        return [results[r] for r in request_ids]
 
 
 class LLM(LLMEngine):
