@@ -24,7 +24,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope(
+def norm_rope_heads(
     head_ptr,
     heads,
     num_heads,
@@ -35,7 +35,8 @@ def _norm_rope(
     half,
     HEAD_DIM: tl.constexpr,
 ):
-    """Heads ``heads`` of one token, RMS-normalised and rotated: the two halves, fp32."""
+    """Heads ``heads`` of one token (those below ``num_heads``), RMS-normalised and rotated: the two
+    halves, fp32. The decode attention kernel calls it too, for the heads of its query group."""
     dtype = head_ptr.dtype.element_ty
     mask = (heads < num_heads)[:, None]
     ptrs = head_ptr + heads[:, None] * HEAD_DIM + half[None, :]
@@ -85,7 +86,7 @@ def _norm_rope_store_kernel(
     row = qkv_ptr + tok * qkv_stride_tok
 
     heads = tl.arange(0, HEADS_PAD)
-    q1, q2 = _norm_rope(row, heads, NUM_HEADS, q_weight_ptr, cos, sin, eps, half, HEAD_DIM)
+    q1, q2 = norm_rope_heads(row, heads, NUM_HEADS, q_weight_ptr, cos, sin, eps, half, HEAD_DIM)
     q_dst = q_out_ptr + tok * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + half[None, :]
     q_mask = (heads < NUM_HEADS)[:, None]
     tl.store(q_dst, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
@@ -98,7 +99,7 @@ def _norm_rope_store_kernel(
         offset = slot % BLOCK_SIZE
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         kv_mask = (kv_heads < NUM_KV_HEADS)[:, None]
-        k1, k2 = _norm_rope(row + NUM_HEADS * HEAD_DIM, kv_heads, NUM_KV_HEADS, k_weight_ptr, cos, sin, eps, half,
+        k1, k2 = norm_rope_heads(row + NUM_HEADS * HEAD_DIM, kv_heads, NUM_KV_HEADS, k_weight_ptr, cos, sin, eps, half,
                             HEAD_DIM)
         k_dst = (k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kv_heads[:, None] * kc_stride_head
                  + half[None, :])

@@ -8,6 +8,9 @@ Decode is built for CUDA graphs: the host never reads device memory, the grid de
 batch shape and the split count, and sequence lengths are read on the device. Each program owns one
 (sequence, KV head, KV split) and loads its query heads as a ``[GROUP_PAD, head_dim]`` tile, so every
 K/V tile is read once for the whole GQA group and ``tl.dot`` gets at least 16 rows.
+``decode_attention_from_qkv`` runs the same kernel on the qkv projection's rows instead of q: each
+program applies QK-norm and rotary to its query heads and stores the new token's K/V, which saves
+``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kernels.norm_rope_store import norm_rope_heads
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -85,6 +90,13 @@ def _decode_kernel(
     vc_stride_slot,
     vc_stride_head,
     bt_stride,
+    positions_ptr,  # positions_ptr ... cos_sin_stride: only read FROM_QKV
+    slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    cos_sin_ptr,
+    eps,
+    cos_sin_stride,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -92,6 +104,7 @@ def _decode_kernel(
     TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FROM_QKV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,11 +116,24 @@ def _decode_kernel(
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq64 * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    )
+    if FROM_QKV:
+        # ``q_ptr`` holds qkv projection rows: QK-norm and rotary happen here, on the group's heads,
+        # rounded as ``norm_rope_store`` rounds them, so they cost no kernel and no q round trip.
+        dtype = q_ptr.dtype.element_ty
+        half = tl.arange(0, HEAD_DIM // 2)
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + half).to(dtype).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HEAD_DIM // 2 + half).to(dtype).to(tl.float32)[None, :]
+        qkv_row = q_ptr + seq64 * q_stride_seq
+        q1, q2 = norm_rope_heads(qkv_row + kv_head * GROUP * HEAD_DIM, rows, GROUP, q_norm_ptr, cos, sin, eps, half,
+                                 HEAD_DIM)
+        q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+    else:
+        q = tl.load(
+            q_ptr + seq64 * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+        )
 
     if NUM_SPLITS == 1:
         lo = 0
@@ -117,6 +143,24 @@ def _decode_kernel(
         per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE) * TILE
         lo = split * per_split
         hi = tl.minimum(lo + per_split, ctx)
+    if FROM_QKV:
+        # The program whose range holds this step's token (position ctx - 1) normalises, rotates
+        # and stores its K/V head, then reads it back with the rest of the context.
+        if (ctx - 1 >= lo) & (ctx - 1 < hi):
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            if slot >= 0:
+                num_q_heads = GROUP * tl.num_programs(1)
+                one = tl.arange(0, 1)
+                k1, k2 = norm_rope_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM, one, 1, k_norm_ptr, cos, sin,
+                                         eps, half, HEAD_DIM)
+                k_dst = (k_cache_ptr + (slot // BLOCK_SIZE) * kc_stride_block + (slot % BLOCK_SIZE) * kc_stride_slot
+                         + kv_head * kc_stride_head + half[None, :])
+                tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(k_dst + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty))
+                v = tl.load(qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + dims)
+                tl.store(v_cache_ptr + (slot // BLOCK_SIZE) * vc_stride_block + (slot % BLOCK_SIZE) * vc_stride_slot
+                         + kv_head * vc_stride_head + dims, v.to(v_cache_ptr.dtype.element_ty))
+        tl.debug_barrier()  # other threads of this program load what was just stored
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -353,10 +397,69 @@ def decode_attention(
     Rows with context length 0 (CUDA-graph padding) produce zeros. ``max_seqlen_k`` (a host int, an
     upper bound) only limits the split count; ``num_splits`` forces one (a power of two <= 16).
     No host-device synchronisation: safe to capture in a CUDA graph."""
-    batch, num_heads, head_dim = q.shape
-    group, block_size, num_kv_heads = _check_cache(q, k_cache, v_cache)
+    _check_cache(q, k_cache, v_cache)
+    return _launch_decode(q, q.stride(1), q.shape[1], k_cache, v_cache, context_lens, block_tables, scale, None,
+                          max_seqlen_k, num_splits, out, tile, num_warps, num_stages)
+
+
+def decode_attention_from_qkv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``norm_rope_store`` followed by ``decode_attention``, without the kernel in between.
+
+    ``qkv [B, (H + 2*KVH) * D]`` holds each sequence's new token, at ``positions`` (its context
+    length minus one) and ``slot_mapping``. Each attention program normalises and rotates the query
+    heads of its group; the program whose range holds the new token also stores its K/V. Results
+    match the two kernels run one after the other. Returns ``[B, H, D]``."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    assert num_heads > 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width"
+    assert qkv.stride(1) == 1 and cos_sin_cache.stride(1) == 1, "qkv rows and the rotary table must be contiguous"
+    assert cos_sin_cache.shape[1] == head_dim and positions.numel() == slot_mapping.numel() == qkv.shape[0]
+    _check_cache(qkv.view(qkv.shape[0], -1, head_dim), k_cache, v_cache)
+    rope = (positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_cache.stride(0))
+    return _launch_decode(qkv, head_dim, num_heads, k_cache, v_cache, context_lens, block_tables, scale, rope,
+                          None, num_splits, out, None, 4, 2)
+
+
+def _launch_decode(
+    q: torch.Tensor,
+    q_stride_head: int,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    rope: tuple | None,
+    max_seqlen_k: int | None,
+    num_splits: int | None,
+    out: torch.Tensor | None,
+    tile: int | None,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """The decode kernel (and the split reduction) for ``q`` rows, or qkv rows when ``rope`` holds
+    ``(positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_stride)``."""
+    batch = q.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = num_heads // num_kv_heads
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     if num_splits is None:
@@ -369,13 +472,17 @@ def decode_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused by the single-split variant
+    # Without rope the rotary arguments are never read: any tensor (and stride 0) stands in.
+    positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_stride = (
+        rope or (context_lens, context_lens, out, out, out, 0.0, 0))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, context_lens, block_tables,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q_stride_head, out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_stride,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -383,6 +490,7 @@ def decode_attention(
         TILE=tile,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype),
+        FROM_QKV=rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

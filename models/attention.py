@@ -3,6 +3,8 @@
 The layer takes the fused qkv projection: one backend call normalises q and k per head (QK-norm),
 rotates them and stores this step's K/V into the paged cache; attention then reads K/V back from
 the cache, so plain prompts, prefix-cached prompts and chunk continuations share one code path.
+A backend may fold both calls of a decode step into one (``decode_from_qkv``): at decode the first
+call is a kernel of a few microseconds per layer, and its launch and round trip cost as much.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ PrefillFn = Callable[
 ]
 # (q, k_cache, v_cache, context_lens, block_tables, scale) -> out
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# NormRopeStoreFn's arguments, then (context_lens, block_tables, scale) -> out
+DecodeFromQkvFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """Three kernels with the signatures of ``kernels.reference``; ``name`` is reported in events."""
+    """Three kernels with the signatures of ``kernels.reference``; ``name`` is reported in events.
+
+    ``decode_from_qkv``, when a backend has one, does a decode step's ``norm_rope_store`` and
+    ``decode`` in one call (one kernel fewer per layer) and must give their results."""
 
     name: str
     norm_rope_store: NormRopeStoreFn
     prefill: PrefillFn
     decode: DecodeFn
+    decode_from_qkv: DecodeFromQkvFn | None = None
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -67,6 +75,12 @@ class Attention(nn.Module):
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         context = get_context()
         cached = self.k_cache.numel() > 0
+        if cached and not context.is_prefill and self.backend.decode_from_qkv is not None:
+            out = self.backend.decode_from_qkv(
+                qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache, self.k_cache, self.v_cache,
+                context.slot_mapping, context.context_lens, context.block_tables, self.scale,
+            )
+            return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
         if cached:
             k_cache, v_cache, slot_mapping = self.k_cache, self.v_cache, context.slot_mapping
         else:

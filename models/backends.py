@@ -13,7 +13,7 @@ from models.context import get_context
 
 def triton_backend() -> AttentionBackend:
     from kernels.norm_rope_store import norm_rope_store
-    from kernels.paged_attention import decode_attention, prefill_attention
+    from kernels.paged_attention import decode_attention, decode_attention_from_qkv, prefill_attention
 
     def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
         return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale,
@@ -23,7 +23,8 @@ def triton_backend() -> AttentionBackend:
         # No length hint: a captured graph is replayed for many context lengths.
         return decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale)
 
-    return AttentionBackend(name="triton", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode)
+    return AttentionBackend(name="triton", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode,
+                            decode_from_qkv=decode_attention_from_qkv)
 
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2's paged KV needs blocks of a multiple of 256 tokens

@@ -180,6 +180,50 @@ def _check_norm_rope_store(
                        k_ref.reshape(-1, num_kv_heads, head_dim)[untouched.to(device)]), "a skipped slot was written"
 
 
+def _check_decode_from_qkv(
+    ctx_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    **kwargs: object,
+) -> None:
+    """The fused decode (QK-norm, rotary, K/V store and attention in one kernel) against the two
+    Triton kernels it replaces and against the references. The compiler may contract the rotary's
+    multiply-adds differently in the two kernels, so on CUDA q and k can differ in the last bit."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = _paged_cache(ctx_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(len(ctx_lens), width + 16, generator=gen).to(dtype).to(device)[:, :width]
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    # Each row is its sequence's new token: position ctx - 1, stored at that position's slot.
+    positions = (lens.long() - 1).clamp_min(0)
+    slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+             for i, n in enumerate(ctx_lens)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
+    cos_sin_cache = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(device)
+    q_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    k_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    rope = (qkv, positions, q_weight, k_weight, 1e-6, cos_sin_cache)
+    scale = head_dim**-0.5
+    k_two, v_two, k_ref, v_ref = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+
+    out = torch.full((len(ctx_lens), num_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    attn.decode_attention_from_qkv(*rope, k_cache, v_cache, slot_mapping, lens, tables, scale, out=out, **kwargs)
+    q = norm_rope_store(*rope, k_two, v_two, slot_mapping)
+    two = attn.decode_attention(q, k_two, v_two, lens, tables, scale, **kwargs)
+    same_bits = device == "cpu"
+    assert torch.equal(out, two) if same_bits else _rel_err(out, two) < 1e-3, "fused decode vs the two kernels"
+    assert torch.equal(k_cache, k_two) if same_bits else _rel_err(k_cache, k_two) < 1e-3, "the K stores differ"
+    assert torch.equal(v_cache, v_two), "V is copied, not computed: the stores must match exactly"
+    ref = decode_attention_ref(norm_rope_store_ref(*rope, k_ref, v_ref, slot_mapping), k_ref, v_ref, lens, tables,
+                               scale)
+    assert _rel_err(out, ref) < _TOL[dtype], (ctx_lens, kwargs, _rel_err(out, ref))
+
+
 def _ragged(rng: random.Random, batch: int, lo: int, hi: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(batch)]
 
@@ -214,6 +258,18 @@ def test_decode_cpu(block_size: int, num_heads: int, num_kv_heads: int, head_dim
     # Tile smaller than a block (one table read per tile) and the automatic split choice.
     _check_decode(_ragged(rng, 2, 1, 100), num_heads, num_kv_heads, head_dim, block_size,
                   torch.float32, "cpu", 7, tile=16)
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", _CPU_SHAPES[1::2])
+def test_decode_from_qkv_cpu(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    rng = random.Random(block_size + num_heads + head_dim)
+    # The new token first in a block, last in a block, a one-token context, a padding row.
+    ctx = [*_ragged(rng, 3, 2, 150), block_size + 1, 2 * block_size, 1, 0]
+    for seed, dtype in enumerate((torch.float32, torch.float16)):
+        for splits in (1, 4):
+            _check_decode_from_qkv(ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
+                                   num_splits=splits)
 
 
 @pytest.mark.usefixtures("cpu")
@@ -385,6 +441,18 @@ def test_decode_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: i
         _check_decode(ctx, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, "cuda", seed)
     _check_decode(batches[1], num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, "cuda",
                   5, num_splits=8, max_seqlen_k=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", _gpu_cases([1, 2, 8]))
+def test_decode_from_qkv_gpu(dtype: torch.dtype, block_size: int, group: int, head_dim: int) -> None:
+    num_kv_heads = 16 // group
+    rng = random.Random(block_size * group + head_dim)
+    # One long sequence (split-KV), a mid-size batch with padding rows, a full batch.
+    batches = [[rng.randint(2, 3000)], [*_ragged(rng, 6, 1, 2000), 0, 0], _ragged(rng, 256, 1, 1200)]
+    for seed, ctx in enumerate(batches):
+        _check_decode_from_qkv(ctx, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, "cuda", seed)
 
 
 @pytest.mark.gpu

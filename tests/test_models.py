@@ -280,6 +280,38 @@ def test_attention_backend_is_used_by_every_layer(model: Qwen3ForCausalLM) -> No
     assert all(layer.backend is TORCH_BACKEND for layer in attention_layers(model))
 
 
+@pytest.mark.usefixtures("cpu")
+def test_triton_backend_matches_torch_backend(model: Qwen3ForCausalLM) -> None:
+    """The Triton kernels (interpreted) through the whole model: prefill, then decode steps that go
+    through the backend's one-call decode (``decode_from_qkv``), against the torch backend."""
+    from models.backends import triton_backend
+
+    backend = triton_backend()
+    assert backend.decode_from_qkv is not None
+    calls: list[str] = []
+
+    def decode_from_qkv(*args: object) -> torch.Tensor:
+        calls.append("decode_from_qkv")
+        return backend.decode_from_qkv(*args)  # type: ignore[misc]
+
+    rng = random.Random(3)
+    prompts = {0: [rng.randrange(VOCAB_LIMIT) for _ in range(21)], 1: [rng.randrange(VOCAB_LIMIT) for _ in range(14)]}
+    logits = {}
+    for name, chosen in (("torch", TORCH_BACKEND), ("triton", AttentionBackend(
+            "triton", backend.norm_rope_store, backend.prefill, backend.decode, decode_from_qkv))):
+        set_attention_backend(model, chosen)
+        try:
+            runner = PagedRunner(model)
+            steps = [runner.prefill(prompts)[1]]
+            for token in range(3):  # sequence 1's third new token is the first of a new block
+                steps.append(runner.decode({0: 7 + token, 1: 11 + token}))
+            logits[name] = torch.stack(steps)
+        finally:
+            set_attention_backend(model, TORCH_BACKEND)
+    assert calls == ["decode_from_qkv"] * (3 * model.config.num_hidden_layers)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=REL_TOL, atol=REL_TOL)
+
+
 def test_rmsnorm_fused_residual_equals_separate_add() -> None:
     norm = RMSNorm(8, eps=1e-6)
     norm.weight.data = torch.linspace(0.5, 1.5, 8)
