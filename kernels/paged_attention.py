@@ -553,4 +553,4 @@ def prefill_attention(
     return out
 
 
-__all__ = ["decode_attention", "decode_num_splits", "prefill_attention"]
+__all__ = ["decode_attention", "decode_attention_from_qkv", "decode_num_splits", "prefill_attention"]
