@@ -113,6 +113,18 @@ def _norm_rope_store_kernel(
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
+def check_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    """The shapes and strides both kernels that read qkv rows rely on; returns the query head count."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    assert num_heads > 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width"
+    assert qkv.stride(1) == 1 and cos_sin_cache.stride(1) == 1, "qkv rows and the rotary table must be contiguous"
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and v_cache.shape == k_cache.shape
+    assert cos_sin_cache.shape[1] == head_dim and positions.numel() == slot_mapping.numel() == qkv.shape[0]
+    return num_heads
+
+
 def norm_rope_store(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -127,11 +139,7 @@ def norm_rope_store(
     """``q [N, H, D]``, normalised and rotated; K/V normalised (K), rotated (K) and stored at their slots."""
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
-    assert num_heads > 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width"
-    assert qkv.stride(1) == 1 and cos_sin_cache.stride(1) == 1, "qkv rows and the rotary table must be contiguous"
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and v_cache.shape == k_cache.shape
-    assert cos_sin_cache.shape[1] == head_dim and positions.numel() == slot_mapping.numel() == num_tokens
+    num_heads = check_qkv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     q = qkv.new_empty(num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return q

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm_rope_store import norm_rope_heads
+from kernels.norm_rope_store import check_qkv, norm_rope_heads
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -425,12 +425,9 @@ def decode_attention_from_qkv(
     length minus one) and ``slot_mapping``. Each attention program normalises and rotates the query
     heads of its group; the program whose range holds the new token also stores its K/V. Results
     match the two kernels run one after the other. Returns ``[B, H, D]``."""
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
-    assert num_heads > 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width"
-    assert qkv.stride(1) == 1 and cos_sin_cache.stride(1) == 1, "qkv rows and the rotary table must be contiguous"
-    assert cos_sin_cache.shape[1] == head_dim and positions.numel() == slot_mapping.numel() == qkv.shape[0]
-    _check_cache(qkv.view(qkv.shape[0], -1, head_dim), k_cache, v_cache)
+    num_heads = check_qkv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    head_dim = k_cache.shape[3]
+    _check_cache(qkv.view(qkv.shape[0], -1, head_dim)[:, :num_heads], k_cache, v_cache)  # the query heads
     rope = (positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_cache.stride(0))
     return _launch_decode(qkv, head_dim, num_heads, k_cache, v_cache, context_lens, block_tables, scale, rope,
                           None, num_splits, out, None, 4, 2)

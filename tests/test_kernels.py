@@ -133,6 +133,15 @@ def _check_prefill(
     assert _rel_err(out, ref) < _TOL[dtype], (q_lens, k_lens, kwargs, _rel_err(out, ref))
 
 
+def _rope_inputs(head_dim: int, dtype: torch.dtype, device: str,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rotary table and random QK-norm weights (q, k) of ``norm_rope_store``'s contract."""
+    cos_sin_cache = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(device)
+    q_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    k_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    return cos_sin_cache, q_weight, k_weight
+
+
 def _check_norm_rope_store(
     num_tokens: int,
     num_heads: int,
@@ -152,9 +161,7 @@ def _check_norm_rope_store(
     # qkv as a view with a row stride wider than its width, as a strided projection output would be.
     qkv = torch.randn(num_tokens, width + 16, generator=gen).to(dtype).to(device)[:, :width]
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
-    cos_sin_cache = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(device)
-    q_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
-    k_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    cos_sin_cache, q_weight, k_weight = _rope_inputs(head_dim, dtype, device, gen)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if strided_cache:  # vLLM-style [num_blocks, 2, ...] allocation, K and V interleaved per block
         both = torch.randn(num_blocks, 2, *shape[1:], generator=gen).to(dtype).to(device)
@@ -204,9 +211,7 @@ def _check_decode_from_qkv(
     slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
              for i, n in enumerate(ctx_lens)]
     slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
-    cos_sin_cache = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(device)
-    q_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
-    k_weight = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    cos_sin_cache, q_weight, k_weight = _rope_inputs(head_dim, dtype, device, gen)
     rope = (qkv, positions, q_weight, k_weight, 1e-6, cos_sin_cache)
     scale = head_dim**-0.5
     k_two, v_two, k_ref, v_ref = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
