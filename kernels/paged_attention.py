@@ -153,13 +153,15 @@ def _decode_kernel(
                 one = tl.arange(0, 1)
                 k1, k2 = norm_rope_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM, one, 1, k_norm_ptr, cos, sin,
                                          eps, half, HEAD_DIM)
-                k_dst = (k_cache_ptr + (slot // BLOCK_SIZE) * kc_stride_block + (slot % BLOCK_SIZE) * kc_stride_slot
-                         + kv_head * kc_stride_head + half[None, :])
+                block = slot // BLOCK_SIZE
+                offset = slot % BLOCK_SIZE
+                k_dst = (k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kv_head * kc_stride_head
+                         + half[None, :])
                 tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty))
                 tl.store(k_dst + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty))
                 v = tl.load(qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + dims)
-                tl.store(v_cache_ptr + (slot // BLOCK_SIZE) * vc_stride_block + (slot % BLOCK_SIZE) * vc_stride_slot
-                         + kv_head * vc_stride_head + dims, v.to(v_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + kv_head * vc_stride_head
+                         + dims, v.to(v_cache_ptr.dtype.element_ty))
         tl.debug_barrier()  # other threads of this program load what was just stored
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -398,8 +400,9 @@ def decode_attention(
     upper bound) only limits the split count; ``num_splits`` forces one (a power of two <= 16).
     No host-device synchronisation: safe to capture in a CUDA graph."""
     _check_cache(q, k_cache, v_cache)
-    return _launch_decode(q, q.stride(1), q.shape[1], k_cache, v_cache, context_lens, block_tables, scale, None,
-                          max_seqlen_k, num_splits, out, tile, num_warps, num_stages)
+    return _launch_decode(q, q.stride(1), q.shape[1], k_cache, v_cache, context_lens, block_tables, scale,
+                          max_seqlen_k=max_seqlen_k, num_splits=num_splits, out=out, tile=tile, num_warps=num_warps,
+                          num_stages=num_stages)
 
 
 def decode_attention_from_qkv(
@@ -428,9 +431,9 @@ def decode_attention_from_qkv(
     num_heads = check_qkv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     head_dim = k_cache.shape[3]
     _check_cache(qkv.view(qkv.shape[0], -1, head_dim)[:, :num_heads], k_cache, v_cache)  # the query heads
-    rope = (positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_cache.stride(0))
-    return _launch_decode(qkv, head_dim, num_heads, k_cache, v_cache, context_lens, block_tables, scale, rope,
-                          None, num_splits, out, None, 4, 2)
+    return _launch_decode(qkv, head_dim, num_heads, k_cache, v_cache, context_lens, block_tables, scale,
+                          rope=(positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache),
+                          num_splits=num_splits, out=out)
 
 
 def _launch_decode(
@@ -442,16 +445,17 @@ def _launch_decode(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
-    rope: tuple | None,
-    max_seqlen_k: int | None,
-    num_splits: int | None,
-    out: torch.Tensor | None,
-    tile: int | None,
-    num_warps: int,
-    num_stages: int,
+    *,
+    rope: tuple | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    tile: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """The decode kernel (and the split reduction) for ``q`` rows, or qkv rows when ``rope`` holds
-    ``(positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_stride)``."""
+    ``(positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache)``."""
     batch = q.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = num_heads // num_kv_heads
@@ -469,9 +473,9 @@ def _launch_decode(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused by the single-split variant
-    # Without rope the rotary arguments are never read: any tensor (and stride 0) stands in.
-    positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_stride = (
-        rope or (context_lens, context_lens, out, out, out, 0.0, 0))
+    # Without rope the rotary arguments are never read: any tensor stands in.
+    positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache = (
+        rope or (context_lens, context_lens, out, out, 0.0, out))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, context_lens, block_tables,
         scale * _LOG2E,
@@ -479,7 +483,7 @@ def _launch_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_stride,
+        positions, slot_mapping, q_norm_weight, k_norm_weight, cos_sin_cache, eps, cos_sin_cache.stride(0),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,

@@ -23,8 +23,6 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a c
 CHUNK = 2048
 
 
-# The seed changes every call, and the temperatures may be a view at any offset (the decode inputs):
-# specialising either (== 1, divisible by 16) would recompile mid-run.
 @triton.jit
 def _log2(x, APPROX: tl.constexpr):
     # tl.log2 is libdevice's exact log2f; the noise needs only the hardware approximation
@@ -37,6 +35,8 @@ def _log2(x, APPROX: tl.constexpr):
         return tl.log2(x)
 
 
+# The seed changes every call, and the temperatures may be a view at any offset (the decode inputs):
+# specialising either (== 1, divisible by 16) would recompile mid-run.
 @triton.jit(do_not_specialize=["temperatures_ptr", "seed"])
 def _chunk_best_kernel(
     logits_ptr,
