@@ -5,14 +5,17 @@ seconds) and ``step`` (the engine step it belongs to), and is JSON-serialisable 
 ``dataclasses.asdict``. Sequences are tuples so events stay immutable.
 
 Emission is on the engine's hot path, so producers check ``bus.active`` before building anything;
-with no subscriber nothing is constructed. Consumers that do real work (HTTP, OTel, the TUI) should
-hand events to a bounded queue in their callback rather than work inline.
+with no subscriber nothing is constructed. Consumers that do real work (HTTP, OTel, the recorder)
+subscribe for batches and hand them to a thread of their own (``telemetry.event_queue``) rather
+than work inline.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -246,67 +249,115 @@ def event_from_dict(data: dict[str, Any]) -> Event:
 
 
 Subscriber = Callable[[Event], None]
+BatchSubscriber = Callable[[list[Event]], None]
 
 
 class EventBus:
-    """Synchronous fan-out of events to subscribers.
+    """Fan-out of events to subscribers, which are called on the thread that emits.
 
     ``step`` is set by the engine at the start of each step and stamped on every event; what a
     step's results cause (its tokens, finishes, freed blocks and ``Step`` event) carries that step's
-    number even when, with asynchronous scheduling, it lands while the next step is being launched. Subscribing
-    and unsubscribing are safe from other threads: the subscriber tuple is replaced, never mutated.
+    number even when, with asynchronous scheduling, it lands while the next step is being launched.
+
+    A plain subscriber is called with each event as it is emitted: for cheap, in-thread consumers
+    (a list, the dashboard's buffer, the live driver's token streams). A batch subscriber gets lists
+    of events at *publish points*. While the engine holds the bus (``with bus.held():``, during a
+    step) events wait for :meth:`publish`, which the engine calls just before it blocks on the GPU.
+    A consumer that hands events to a thread of its own thus wakes that thread once per step, while
+    the engine thread has released the GIL, instead of once per event while the engine needs the
+    GIL itself. Events emitted while the bus is not held publish at once, after anything pending,
+    so batch subscribers see the same order as plain ones.
+
+    Subscribing and unsubscribing are safe from other threads: the subscriber tuples are replaced,
+    never mutated. Emitting and publishing belong to the engine's thread.
     """
 
     def __init__(self) -> None:
         self.step = 0
         self.active = False
         self._subscribers: tuple[Subscriber, ...] = ()
-        self._failures: dict[Subscriber, int] = {}
+        self._batch_subscribers: tuple[BatchSubscriber, ...] = ()
+        self._failures: dict[Callable[[Any], None], int] = {}
         self._announcements: list[Event] = []
+        self._pending: list[Event] = []
+        self._held = False
 
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Deliver every future event to ``callback``, after replaying the start-up announcements
-        (``engine_started``, ``cudagraph_capture``) that were made before it subscribed."""
-        for event in list(self._announcements):
-            self._deliver(callback, event)
-        self._subscribers = self._subscribers + (callback,)
+    def subscribe(self, callback: Subscriber | BatchSubscriber, *, batched: bool = False) -> Callable[[], None]:
+        """Deliver every future event to ``callback`` (as lists at publish points if ``batched``),
+        after replaying the start-up announcements (``engine_started``, ``cudagraph_capture``)
+        that were made before it subscribed."""
+        announcements = list(self._announcements)
+        if batched:
+            if not self._batch_subscribers:
+                self._pending = []  # left by batch subscribers that have all gone
+            if announcements:
+                self._deliver(callback, announcements)
+            self._batch_subscribers = self._batch_subscribers + (callback,)
+        else:
+            for event in announcements:
+                self._deliver(callback, event)
+            self._subscribers = self._subscribers + (callback,)
         self.active = True
 
         def unsubscribe() -> None:
             self._subscribers = tuple(s for s in self._subscribers if s is not callback)
-            self.active = bool(self._subscribers)
+            self._batch_subscribers = tuple(s for s in self._batch_subscribers if s is not callback)
+            self.active = bool(self._subscribers or self._batch_subscribers)
 
         return unsubscribe
 
     def emit(self, cls: type[Event], **fields_: Any) -> None:
-        """Build one event (stamped with the current time and step) and deliver it to every subscriber.
+        """Build one event (stamped with the current time and step) and deliver it.
 
         Callers on the hot path guard with ``if bus.active`` so that the keyword arguments are not even
         built when nobody listens."""
-        subscribers = self._subscribers
-        if not subscribers:
-            return
-        event = cls(t=time.perf_counter(), step=self.step, **fields_)
-        for callback in subscribers:
-            self._deliver(callback, event)
+        if self.active:
+            self._send(cls(t=time.perf_counter(), step=self.step, **fields_))
 
     def announce(self, cls: type[Event], **fields_: Any) -> None:
         """Emit a start-up fact that later subscribers also receive when they subscribe."""
         event = cls(t=time.perf_counter(), step=self.step, **fields_)
         self._announcements.append(event)
+        self._send(event)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep batch subscribers' events for the next :meth:`publish` while the block runs.
+
+        Leaving the block does not publish: what is pending waits for the next publish point (the
+        engine's next wait for the GPU, or the next event emitted while the bus is not held)."""
+        was_held, self._held = self._held, True
+        try:
+            yield
+        finally:
+            self._held = was_held
+
+    def publish(self) -> None:
+        """Deliver the pending events to the batch subscribers, as one list."""
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        for callback in self._batch_subscribers:
+            self._deliver(callback, batch)
+
+    def _send(self, event: Event) -> None:
         for callback in self._subscribers:
             self._deliver(callback, event)
+        if self._batch_subscribers:
+            self._pending.append(event)
+            if not self._held:
+                self.publish()
 
-    def _deliver(self, callback: Subscriber, event: Event) -> None:
+    def _deliver(self, callback: Callable[[Any], None], payload: Event | list[Event]) -> None:
         try:
-            callback(event)
+            callback(payload)
         except Exception:
-            # A broken consumer loses this event, never the engine's step.
+            # A broken consumer loses this delivery, never the engine's step.
             count = self._failures.get(callback, 0) + 1
             self._failures[callback] = count
             if count == 1:
                 logger.exception("event subscriber %r raised; its events are dropped", callback)
 
-    def failures(self, callback: Subscriber) -> int:
-        """How many events ``callback`` raised on."""
+    def failures(self, callback: Callable[[Any], None]) -> int:
+        """How many deliveries (events, or batches for a batch subscriber) ``callback`` raised on."""
         return self._failures.get(callback, 0)

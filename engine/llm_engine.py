@@ -179,7 +179,18 @@ class LLMEngine:
         and the number of tokens launched: positive for a prefill, minus the batch size for a decode.
 
         With asynchronous scheduling a step's results are read in the next call, after that call
-        has launched its own step; a step that launches nothing collects what is in flight."""
+        has launched its own step; a step that launches nothing collects what is in flight.
+
+        The bus is held during the step: its events reach batch subscribers when the step waits for
+        the GPU (or at the end, when nothing is left in flight to wait for)."""
+        with self.events.held():
+            try:
+                return self._step()
+            finally:
+                if self._in_flight is None:
+                    self.events.publish()
+
+    def _step(self) -> tuple[list[tuple[int, list[int]]], int]:
         start = time.perf_counter()
         self.events.step += 1
         batch = self.scheduler.schedule()
@@ -213,7 +224,10 @@ class LLMEngine:
         """Collect the step in flight, if any: afterwards every launched step has landed (for
         single-stepping, and before handing the engine over). Returns the requests it finished."""
         step, self._in_flight = self._in_flight, None
-        return self._retire(self._complete(step) if step is not None else [])
+        try:
+            return self._retire(self._complete(step) if step is not None else [])
+        finally:
+            self.events.publish()
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         try:
@@ -229,6 +243,8 @@ class LLMEngine:
 
     def _complete(self, step: _InFlight) -> list[Sequence]:
         """Wait for a launched step's tokens and postprocess them; returns the requests it finished."""
+        # The consumers' threads take this step's events while this thread waits without the GIL.
+        self.events.publish()
         try:
             token_ids = step.launched.token_ids()
             if self.tp_group is not None:
@@ -287,8 +303,9 @@ class LLMEngine:
             except RequestRejectedError as exc:
                 raise RequestRejectedError(f"prompt {i}: {exc}") from None
             token_lists.append(token_ids)
-        request_ids = [self._queue(next(Sequence.counter), token_ids, sp, None)
-                       for token_ids, sp in zip(token_lists, params)]
+        with self.events.held():  # the arrivals publish with the first step, not one by one
+            request_ids = [self._queue(next(Sequence.counter), token_ids, sp, None)
+                           for token_ids, sp in zip(token_lists, params)]
         results: dict[int, dict] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0

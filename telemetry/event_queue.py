@@ -1,9 +1,11 @@
 """The one way a consumer takes events off the engine's hot path.
 
-The bus calls :meth:`EventQueue.put` on the engine thread inside a step, so it only does a
-non-blocking put into a bounded queue and counts what does not fit. A daemon worker drains the
-queue into the consumer's handler. :class:`Consumer` wraps that into the shape every telemetry
-consumer shares: ``attach(bus)``, ``flush()``, ``close()`` and use as a context manager.
+The queue subscribes to the bus for batches: the engine publishes a step's events once, just before
+it waits for the GPU, and :meth:`EventQueue.put_batch` only does a non-blocking put of that list
+into a bounded queue, counting what does not fit. A daemon worker drains the queue into the
+consumer's handler; it wakes once per step, while the engine thread waits without the GIL.
+:class:`Consumer` wraps that into the shape every telemetry consumer shares: ``attach(bus)``,
+``flush()``, ``close()`` and use as a context manager.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Callable
 
 from engine.events import Event, EventBus
@@ -35,36 +38,63 @@ class _Flush:
         self.done = threading.Event()
 
 
+class _Batches(queue.Queue):
+    """A FIFO of event lists and worker markers whose size (and so ``maxsize``) counts events.
+
+    ``queue.Queue`` also reads the size as "is anything there", so a marker counts as one."""
+
+    def _init(self, maxsize: int) -> None:
+        self.queue: deque[list[Event] | _Stop | _Flush] = deque()
+        self.num_events = 0
+
+    def _qsize(self) -> int:
+        return self.num_events
+
+    def _put(self, item: list[Event] | _Stop | _Flush) -> None:
+        self.queue.append(item)
+        self.num_events += len(item) if isinstance(item, list) else 1
+
+    def _get(self) -> list[Event] | _Stop | _Flush:
+        item = self.queue.popleft()
+        self.num_events -= len(item) if isinstance(item, list) else 1
+        return item
+
+
 class EventQueue:
-    """A bounded queue between the bus callback and a handler that runs on its own daemon thread."""
+    """A bounded queue between the bus and a handler that runs on its own daemon thread."""
 
     def __init__(self, handler: Callable[[Event], None], name: str, maxsize: int = DEFAULT_MAXSIZE):
         self.name = name
         self.dropped = 0
         self.handler_errors = 0
         self._handler = handler
-        self._queue: queue.Queue[Event | _Stop | _Flush] = queue.Queue(maxsize)
+        self._queue = _Batches(maxsize)
         self._closed = False
         self._unsubscribe: Callable[[], None] | None = None
         self._worker = threading.Thread(target=self._run, name=f"glassbox-{name}", daemon=True)
         self._worker.start()
         _live_queues.add(self)
 
-    def put(self, event: Event) -> None:
-        """The bus callback: never blocks the engine; a full queue costs the event, counted."""
-        if self._closed:
+    def put_batch(self, events: list[Event]) -> None:
+        """The bus callback: never blocks the engine. A full queue (``maxsize`` events waiting)
+        costs the whole batch, counted per event; a batch may overshoot the bound by its length."""
+        if self._closed or not events:
             return
         try:
-            self._queue.put_nowait(event)
+            self._queue.put_nowait(events)
         except queue.Full:
-            self.dropped += 1
+            self.dropped += len(events)
+
+    def put(self, event: Event) -> None:
+        """Queue one event, as a batch of one."""
+        self.put_batch([event])
 
     def attach(self, bus: EventBus) -> None:
         if self._unsubscribe is not None:
             raise RuntimeError(f"{self.name} is already attached to a bus")
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
-        self._unsubscribe = bus.subscribe(self.put)
+        self._unsubscribe = bus.subscribe(self.put_batch, batched=True)
 
     def detach(self) -> None:
         if self._unsubscribe is not None:
@@ -106,15 +136,16 @@ class EventQueue:
             if isinstance(item, _Flush):
                 item.done.set()
                 continue
-            try:
-                self._handler(item)
-            except Exception:
-                self.handler_errors += 1
-                # The first traceback explains the bug; repeating it per event would flood the log.
-                if self.handler_errors == 1:
-                    logger.exception("%s: handler raised on %s; later errors are only counted", self.name, item.kind)
-            # Hand the GIL back after every event: a worker draining a backlog would otherwise keep it
-            # for a whole switch interval (5 ms) each time the engine thread asks for it.
+            for event in item:
+                try:
+                    self._handler(event)
+                except Exception:
+                    self.handler_errors += 1
+                    # The first traceback explains the bug; repeating it per event would flood the log.
+                    if self.handler_errors == 1:
+                        logger.exception("%s: handler raised on %s; later errors are only counted", self.name, event.kind)
+            # Offer the GIL back between batches: with a backlog, a worker that kept it would hold the
+            # engine thread off for whole 5 ms switch intervals.
             time.sleep(0)
 
 
@@ -152,7 +183,7 @@ class Consumer:
         return self._events.handler_errors
 
     def put(self, event: Event) -> None:
-        """Queue one event as the bus would (for feeding a consumer without a bus)."""
+        """Queue one event (for feeding a consumer without a bus)."""
         self._events.put(event)
 
     def attach(self, bus: EventBus) -> None:

@@ -456,6 +456,53 @@ def test_a_raising_subscriber_does_not_break_the_engine():
     assert engine.of_kind("request_finished")  # other subscribers still got everything
 
 
+def test_batch_subscribers_get_held_events_at_publish_points_in_emission_order():
+    bus = EventBus()
+    plain, batches = [], []
+    bus.subscribe(plain.append)
+    unsubscribe = bus.subscribe(batches.append, batched=True)
+
+    def hit(request_id: int) -> None:
+        bus.emit(PrefixHit, request_id=request_id, query_tokens=2, hit_tokens=0, hit_block_ids=())
+
+    with bus.held():
+        hit(1)
+        hit(2)
+        assert batches == [] and len(plain) == 2  # plain subscribers are not held
+        bus.publish()
+        hit(3)
+    assert [[e.request_id for e in b] for b in batches] == [[1, 2]]  # leaving the block does not publish
+    hit(4)  # not held: what was pending goes out first, with it
+    assert [[e.request_id for e in b] for b in batches] == [[1, 2], [3, 4]]
+    assert [e for b in batches for e in b] == plain
+    bus.publish()  # nothing pending: no empty batch
+    assert len(batches) == 2
+    unsubscribe()
+    assert bus.active  # the plain subscriber is still there
+    hit(5)
+    assert len(batches) == 2 and len(plain) == 5
+
+
+def test_a_batch_subscriber_gets_the_announcements_as_one_batch_and_its_failures_are_counted():
+    bus = EventBus()
+    bus.announce(PrefixHit, request_id=0, query_tokens=1, hit_tokens=0, hit_block_ids=())
+    bus.announce(PrefixHit, request_id=1, query_tokens=1, hit_tokens=0, hit_block_ids=())
+    batches = []
+    bus.subscribe(batches.append, batched=True)
+    assert [[e.request_id for e in b] for b in batches] == [[0, 1]]
+
+    def broken(batch):
+        raise RuntimeError("consumer bug")
+
+    bus.subscribe(broken, batched=True)  # the replay raises: one failed delivery
+    with bus.held():
+        bus.emit(PrefixHit, request_id=2, query_tokens=1, hit_tokens=0, hit_block_ids=())
+        bus.emit(PrefixHit, request_id=3, query_tokens=1, hit_tokens=0, hit_block_ids=())
+        bus.publish()
+    assert bus.failures(broken) == 2  # per batch, not per event
+    assert [[e.request_id for e in b] for b in batches] == [[0, 1], [2, 3]]
+
+
 def test_unsubscribe_stops_delivery():
     bus = EventBus()
     got = []

@@ -79,9 +79,12 @@ ENGINE_SETTINGS = {
 @pytest.mark.parametrize("name", list(ENGINE_SETTINGS))
 def test_greedy_tokens_equal_transformers(name, tiny_checkpoint, prompts, reference, hf_model):
     llm = LLM(str(tiny_checkpoint), **ENGINE_SETTINGS[name])
-    events = []
+    events, batches = [], []
     llm.events.subscribe(events.append)
+    llm.events.subscribe(batches.append, batched=True)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    # Batch subscribers get the same events in the same order, nothing left pending at the end.
+    assert [e for batch in batches for e in batch] == events
     produced = [o["token_ids"] for o in outs]
     exempt = 0
     for prompt, ref, got in zip(prompts, reference, produced):
@@ -224,6 +227,29 @@ def test_step_events_carry_a_host_time_breakdown(tiny_checkpoint, async_scheduli
         if not async_scheduling:
             assert sum(parts) <= s.duration_s + 1e-6
     assert steps[0].num_prefill_tokens == 3 and steps[1].num_decode_tokens == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_steps_events_are_published_before_it_waits_for_the_gpu(tiny_checkpoint, monkeypatch, async_scheduling):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, async_scheduling=async_scheduling)
+    emitted, published = [], []
+    llm.events.subscribe(emitted.append)
+    llm.events.subscribe(published.extend, batched=True)
+    waits = []
+    real_token_ids = LaunchedStep.token_ids
+
+    def token_ids(self):
+        # Everything emitted so far (the schedule of the step just launched included) is out.
+        waits.append(published == emitted)
+        return real_token_ids(self)
+
+    monkeypatch.setattr(LaunchedStep, "token_ids", token_ids)
+    llm.add_request([1, 2, 3], greedy(4))
+    while not llm.is_finished():
+        llm.step()
+    assert len(waits) == 4 and all(waits)
+    assert [e.kind for e in emitted].count("schedule") == 4
+    assert published == emitted  # nothing in flight: the last step published the rest
 
 
 # --- bad input ------------------------------------------------------------------------------------

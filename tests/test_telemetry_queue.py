@@ -45,6 +45,28 @@ def test_a_full_queue_drops_and_counts_without_blocking():
     assert queue_stats()["full"] == (6, 0)
 
 
+def test_the_bound_counts_events_and_a_batch_that_does_not_fit_is_dropped_whole():
+    started, gate, seen = threading.Event(), threading.Event(), []
+
+    def handler(e):
+        started.set()
+        gate.wait()
+        seen.append(e.request_id)
+
+    q = EventQueue(handler, "batches", maxsize=4)
+    q.put(_event(0))
+    assert started.wait(5)  # the worker holds event 0, the queue is empty
+    q.put_batch([_event(1), _event(2), _event(3)])  # 3 events waiting
+    q.put_batch([_event(4), _event(5)])  # 3 < 4: fits, overshooting to 5
+    q.put_batch([_event(6)])  # 5 >= 4: dropped
+    q.put_batch([])  # nothing to queue
+    assert q.dropped == 1
+    gate.set()
+    assert q.flush()
+    assert seen == [0, 1, 2, 3, 4, 5]
+    q.close()
+
+
 def test_handler_errors_are_counted_and_do_not_kill_the_worker(caplog):
     seen = []
 
@@ -103,4 +125,4 @@ def test_bus_attachment_and_detach_on_close():
         bus.emit(FirstToken, request_id=2)
     assert not bus.active
     assert seen == ["first_token", "first_token"]
-    assert bus.failures(consumer.put) == 0
+    assert bus.failures(consumer._events.put_batch) == 0
