@@ -270,6 +270,45 @@ def _family(sample_name: str) -> str:
     return sample_name if sample_name in REQUIRED else sample_name.removesuffix("_total")
 
 
+def test_inter_token_latencies_match_prometheus_clients_own_histogram(events):
+    """The counted ITL histogram against prometheus_client's Histogram fed one value per token."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    with PrometheusExporter(MODEL, port=None) as exporter:
+        for e in events:
+            exporter.put(e)
+        assert exporter.flush()
+        registry = CollectorRegistry()
+        reference = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                              ["model_name", "engine"], buckets=ITL_BUCKETS, registry=registry).labels(MODEL, "0")
+        last: dict[int, float] = {}
+        finished = set()
+        for e in events:
+            if e.kind == "request_finished":
+                finished.add(e.request_id)
+            if e.kind != "tokens":
+                continue
+            for rid in e.request_ids:
+                if rid in last and rid not in finished:
+                    reference.observe(e.t - last[rid])
+                last[rid] = e.t
+        # Edge values: exactly on a bound (le is inclusive), past the last bound.
+        for value, count in ((0.05, 3), (ITL_BUCKETS[-1] + 1.0, 2)):
+            exporter.itl.observe(value, count)
+            for _ in range(count):
+                reference.observe(value)
+
+        def itl_samples(text: str) -> dict[tuple, float]:
+            family = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:inter_token_latency_seconds")
+            return {(s.name, s.labels.get("le")): s.value for s in family.samples if not s.name.endswith("_created")}
+
+        ours, theirs = itl_samples(exporter.exposition()), itl_samples(generate_latest(registry).decode())
+        assert ours.keys() == theirs.keys()
+        assert theirs[("vllm:inter_token_latency_seconds_count", None)] > 100
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=1e-9), key
+
+
 def test_1_2_5_buckets_match_vllm():
     assert build_1_2_5_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     assert build_1_2_5_buckets(5000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
