@@ -52,12 +52,16 @@ class _Batches(queue.Queue):
 
     def _put(self, item: list[Event] | _Stop | _Flush) -> None:
         self.queue.append(item)
-        self.num_events += len(item) if isinstance(item, list) else 1
+        self.num_events += self._size(item)
 
     def _get(self) -> list[Event] | _Stop | _Flush:
         item = self.queue.popleft()
-        self.num_events -= len(item) if isinstance(item, list) else 1
+        self.num_events -= self._size(item)
         return item
+
+    @staticmethod
+    def _size(item: list[Event] | _Stop | _Flush) -> int:
+        return len(item) if isinstance(item, list) else 1
 
 
 class EventQueue:
