@@ -10,6 +10,9 @@ bandwidth measured here; throughput is reported as a share of it. ``--peer hf`` 
 workload on transformers' continuous batching, same weights, same process, and prints the ratio.
 ``--ab`` then alternates runs with a feature on and off on the same engine (this machine's drift
 hits both arms alike); ``--profile`` lists where the GPU time of full-batch decode steps goes.
+With telemetry on, every decode step is also set against its own floor, in batch ranges that
+halve from the largest: the time over the floor per step shows what is fixed cost and what grows
+with the batch.
 """
 
 from __future__ import annotations
@@ -68,18 +71,45 @@ def weight_bytes_per_step(mc: Qwen3Config, itemsize: int) -> int:
     return (mc.num_hidden_layers * per_layer + mc.vocab_size * mc.hidden_size) * itemsize
 
 
-def decode_floor(mc: Qwen3Config, itemsize: int, prompt_lens: list[int], output_lens: list[int],
-                 bandwidth: float) -> Floor:
-    """All requests decode together (the whole workload fits the pool); step k reads the weights and
-    the K/V of every request still generating, whose context is prompt + k + 1 tokens."""
+def decode_step_reads(mc: Qwen3Config, itemsize: int, prompt_lens: list[int],
+                      output_lens: list[int]) -> list[tuple[int, int]]:
+    """(batch size, bytes read) of each decode step, when all requests decode together (the whole
+    workload fits the pool): step k reads the weights and the K/V of every request still generating,
+    whose context is prompt + k + 1 tokens."""
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
     weights = weight_bytes_per_step(mc, itemsize)
-    total = 0
+    steps = []
     for k in range(max(output_lens) - 1):
         active = [p for p, o in zip(prompt_lens, output_lens) if o - 1 > k]
-        total += weights + kv_per_token * (sum(active) + len(active) * (k + 1))
+        steps.append((len(active), weights + kv_per_token * (sum(active) + len(active) * (k + 1))))
+    return steps
+
+
+def decode_floor(step_reads: list[tuple[int, int]], output_tokens: int, bandwidth: float) -> Floor:
+    total = sum(nbytes for _, nbytes in step_reads)
     seconds = total / bandwidth
-    return Floor(bandwidth, total, seconds, sum(output_lens) / seconds)
+    return Floor(bandwidth, total, seconds, output_tokens / seconds)
+
+
+def decode_by_batch(timeline: list[tuple], step_reads: list[tuple[int, int]], bandwidth: float) -> list[dict]:
+    """The run's decode steps against their floors, in batch ranges that halve from the largest
+    (256: 129-256, 65-128, ..., 1-8): where the time above the floor goes as the batch shrinks. Empty
+    when the run did not decode as the floor assumes (a preemption, a pool too small), since its
+    steps then do not pair with the floor's."""
+    decode = [step for step in timeline if step[0] == "decode"]
+    if [step[1] for step in decode] != [batch for batch, _ in step_reads]:
+        return []
+    rows, hi = [], max(batch for batch, _ in step_reads)
+    while hi >= 1:
+        lo = hi // 2 + 1 if hi > 8 else 1
+        pairs = [(step[-1] / 1e3, nbytes / bandwidth) for step, (batch, nbytes) in zip(decode, step_reads)
+                 if lo <= batch <= hi]
+        if pairs:
+            seconds, floor = sum(s for s, _ in pairs), sum(f for _, f in pairs)
+            rows.append({"batch": (lo, hi), "steps": len(pairs), "seconds": seconds, "floor_seconds": floor,
+                         "share_of_floor": floor / seconds, "excess_ms_per_step": 1e3 * (seconds - floor) / len(pairs)})
+        hi = lo - 1
+    return rows
 
 
 _STEP_PARTS = ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")
@@ -260,12 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     del llm, runner
     gc.collect()  # the engine's reference cycles hold its KV cache and graph pool until collected
     torch.cuda.empty_cache()
+    step_reads = decode_step_reads(mc, torch.finfo(torch.bfloat16).bits // 8, [len(p) for p in prompts],
+                                   [p.max_tokens for p in params])
     # With tensor parallelism each GPU reads its shard of the weights and K/V at the same time.
-    floor = decode_floor(mc, torch.finfo(torch.bfloat16).bits // 8, [len(p) for p in prompts],
-                         [p.max_tokens for p in params], tp * max(idle_copy, engine_copy))
+    floor = decode_floor(step_reads, ours["output_tokens"], tp * max(idle_copy, engine_copy))
+    by_batch = decode_by_batch(ours["timeline"], step_reads, floor.copy_bandwidth)
     results = {"device": f"{tp} x {torch.cuda.get_device_name()}", "tensor_parallel_size": tp, "glassbox": ours,
                "copy_bandwidth_idle": idle_copy, "copy_bandwidth_beside_engine": engine_copy,
-               "floor": asdict(floor), "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s}
+               "floor": asdict(floor), "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s,
+               "decode_by_batch": by_batch}
     print(f"device            {results['device']}")
     print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write, all {tp} GPUs; one GPU before the "
           f"engine {idle_copy / 1e12:.2f}, beside it {engine_copy / 1e12:.2f})")
@@ -275,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
           f"telemetry={ours['telemetry']}, {ours['num_blocks']} blocks]")
     if ours["decode_host_ms"]:
         print("decode step host ms " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ours["decode_host_ms"].items()))
+    if by_batch:
+        print("decode vs floor   batch     steps   time ms  floor ms  share  over the floor per step")
+        for row in by_batch:
+            lo, hi = row["batch"]
+            print(f"                  {f'{lo}-{hi}':<9} {row['steps']:5d} {1e3 * row['seconds']:9.1f} "
+                  f"{1e3 * row['floor_seconds']:9.1f} {row['share_of_floor']:6.1%}  {row['excess_ms_per_step']:.2f} ms")
     if ours["slowest_steps"]:
         print("slowest steps     " + ", ".join(f"{phase} {n} seqs {tok} tok {ms} ms" for phase, n, tok, ms in ours["slowest_steps"]))
     if "ab" in ours:

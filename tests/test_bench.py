@@ -1,0 +1,54 @@
+"""The yardstick's arithmetic: the per-step decode floor and the run's decode time against it."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.bench import decode_by_batch, decode_floor, decode_step_reads, weight_bytes_per_step
+from models.checkpoint import PRESETS
+
+TINY = PRESETS["tiny"]
+KV_PER_TOKEN = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.head_dim * 2  # bf16
+
+
+def _decode_step(batch: int, ms: float) -> tuple:
+    # bench.timed_run's timeline rows: phase, sequences, prefill tokens, then host ms and the duration.
+    return ("decode", batch, 0, 0.1, 0.1, 0.1, ms - 0.5, 0.2, ms)
+
+
+def test_step_reads_follow_each_request_until_its_last_token() -> None:
+    # Outputs of 2 and 4 tokens: the first comes from prefill, so 1 and 3 decode steps.
+    steps = decode_step_reads(TINY, 2, prompt_lens=[3, 5], output_lens=[2, 4])
+    weights = weight_bytes_per_step(TINY, 2)
+    assert steps == [(2, weights + KV_PER_TOKEN * (4 + 6)),  # contexts 3 + 1 and 5 + 1
+                     (1, weights + KV_PER_TOKEN * 7),
+                     (1, weights + KV_PER_TOKEN * 8)]
+    floor = decode_floor(steps, output_tokens=6, bandwidth=1e9)
+    assert floor.decode_bytes == sum(nbytes for _, nbytes in steps)
+    assert floor.seconds == pytest.approx(floor.decode_bytes / 1e9)
+    assert floor.tokens_per_s == pytest.approx(6 / floor.seconds)
+
+
+def test_decode_time_against_the_floor_by_halving_batch_ranges() -> None:
+    batches = [20, 20, 17, 16, 9, 8, 3, 1]
+    step_reads = [(b, b * 1_000_000) for b in batches]  # 1 ms per sequence at 1e9 B/s
+    timeline = [("prefill", 20, 4000, 1.0, 2.0, 3.0, 0.0, 0.1, 7.0)]
+    timeline += [_decode_step(b, b + 2.0) for b in batches]  # 2 ms above the floor every step
+    rows = decode_by_batch(timeline, step_reads, bandwidth=1e9)
+    assert [row["batch"] for row in rows] == [(11, 20), (6, 10), (1, 5)]
+    assert [row["steps"] for row in rows] == [4, 2, 2]
+    first = rows[0]
+    assert first["seconds"] == pytest.approx((22 + 22 + 19 + 18) / 1e3)
+    assert first["floor_seconds"] == pytest.approx((20 + 20 + 17 + 16) / 1e3)
+    assert first["share_of_floor"] == pytest.approx(73 / 81)
+    for row in rows:
+        assert row["excess_ms_per_step"] == pytest.approx(2.0)
+
+
+def test_no_breakdown_when_the_run_did_not_decode_as_the_floor_assumes() -> None:
+    step_reads = [(2, 100), (1, 50)]
+    # A preemption re-ran a prompt mid-decode: the batches no longer pair with the floor's steps.
+    preempted = [_decode_step(2, 1.0), ("prefill", 1, 40, 0, 0, 0, 0, 0, 1.0), _decode_step(1, 1.0),
+                 _decode_step(1, 1.0)]
+    assert decode_by_batch(preempted, step_reads, 1e9) == []
+    assert decode_by_batch([], step_reads, 1e9) == []  # telemetry off: no timeline at all
