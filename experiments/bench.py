@@ -97,7 +97,7 @@ def decode_by_batch(timeline: list[tuple], step_reads: list[tuple[int, int]], ba
     when the run did not decode as the floor assumes (a preemption, a pool too small), since its
     steps then do not pair with the floor's."""
     decode = [step for step in timeline if step[0] == "decode"]
-    if [step[1] for step in decode] != [batch for batch, _ in step_reads]:
+    if not step_reads or [step[1] for step in decode] != [batch for batch, _ in step_reads]:
         return []
     rows, hi = [], max(batch for batch, _ in step_reads)
     while hi >= 1:

@@ -52,3 +52,4 @@ def test_no_breakdown_when_the_run_did_not_decode_as_the_floor_assumes() -> None
                  _decode_step(1, 1.0)]
     assert decode_by_batch(preempted, step_reads, 1e9) == []
     assert decode_by_batch([], step_reads, 1e9) == []  # telemetry off: no timeline at all
+    assert decode_by_batch([], [], 1e9) == []  # every request done at prefill: no decode step
