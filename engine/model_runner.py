@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -114,7 +115,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
-        # Inference tensors, like every per-step tensor: torch.compile guards on the difference.
+        # Inference tensors, like every tensor a step makes (steps run in inference mode).
         with torch.inference_mode():
             self.decode_inputs = DecodeInputs(config.max_num_seqs, max_blocks_per_seq, self.device)
             # The last step's sampled ids (row i: its i-th sequence), and which request had which row.
@@ -197,51 +198,44 @@ class ModelRunner:
 
     # --- inputs -------------------------------------------------------------------------------
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(self, values: np.ndarray | list, dtype: np.dtype) -> torch.Tensor:
+        host = torch.from_numpy(np.asarray(values, dtype=dtype))
+        if self.device.type != "cuda":
+            return host
         # Pinned host memory lets the copy to the GPU overlap with host work.
-        pin = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        # Always the full width: Triton specialises kernels on the row stride, and a stride that
-        # changed with the longest prompt would compile a new prefill kernel mid-run.
-        width = self.decode_inputs.max_blocks_per_seq
-        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-        return self._tensor([b for row in rows for b in row], torch.int32).view(len(seqs), width)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence computes tokens ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``
-        and attends to everything before them through its block table."""
+        and attends to everything before them through its block table.
+
+        Per-token inputs are built with numpy, not per-token Python loops: a step has ~16k tokens, and
+        prefill is bound by the host that prepares and launches it."""
+        starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
+        q_lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
+        ends = starts + q_lens
+        cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens)))
+        # Always the full width: Triton specialises kernels on the row stride, and a stride that
+        # changed with the longest prompt would compile a new prefill kernel mid-run.
+        block_tables = np.full((len(seqs), self.decode_inputs.max_blocks_per_seq), -1, dtype=np.int32)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        bs = self.block_size
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            end = start + seq.num_scheduled_tokens
+        for i, (seq, start, end) in enumerate(zip(seqs, starts.tolist(), ends.tolist())):
+            block_tables[i, :len(seq.block_table)] = seq.block_table
             input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-            max_seqlen_q = max(max_seqlen_q, end - start)
-            max_seqlen_k = max(max_seqlen_k, end)
-            for i in range(start // bs, (end + bs - 1) // bs):
-                first = max(start, i * bs)
-                last = min(end, (i + 1) * bs)
-                base = seq.block_table[i] * bs - i * bs
-                slot_mapping += range(base + first, base + last)
+        token_seq = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(cu_seqlens_q[-1]) + np.repeat(starts - cu_seqlens_q[:-1], q_lens)
+        slot_mapping = block_tables[token_seq, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
         set_context(Context(
             is_prefill=True,
-            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._block_tables(seqs),
+            cu_seqlens_q=self._tensor(cu_seqlens_q, np.int32),
+            cu_seqlens_k=self._tensor(np.concatenate(([0], np.cumsum(ends))), np.int32),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(ends.max()),
+            slot_mapping=self._tensor(slot_mapping, np.int64),
+            block_tables=self._tensor(block_tables, np.int32),
         ))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+        return self._tensor(input_ids, np.int64), self._tensor(positions, np.int64)
 
     def prepare_decode(self, seqs: list[Sequence]) -> int:
         """Stage the decode inputs (padded to the CUDA graph that will run them); returns the rows."""
@@ -321,7 +315,7 @@ class ModelRunner:
         padded_batch_size = launch_order = None
         if is_prefill:
             input_ids, positions = self.prepare_prefill(seqs)
-            temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
+            temperatures = self._tensor([seq.temperature for seq in seqs], np.float32)
             t1 = time.perf_counter()
             try:
                 logits = self.model.compute_logits(self.model(input_ids, positions))

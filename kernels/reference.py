@@ -1,5 +1,5 @@
 """Pure-torch paged attention, QK-norm/rotary/KV store, RMSNorm and the decode GEMM: the CPU backend,
-the math the compiled CUDA paths trace, and the oracle for the Triton kernels.
+and the oracle for the Triton kernels.
 
 Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
 ``block_id * block_size + offset``. Query tokens of a sequence are the *last* ``q_len`` of its
@@ -18,6 +18,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's entry: ``(rms_norm_ref(x + residual), x + residual)``, the sum rounded to
+    the input dtype."""
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,13 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block: the Triton
+kernel on CUDA, the pure-torch reference elsewhere."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.reference import rms_norm_ref
-from models.compile import fused_on_cuda
-
-rms_norm = fused_on_cuda(rms_norm_ref)
-
-
-@fused_on_cuda
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
-    return rms_norm_ref(residual, weight, eps), residual
+from kernels.reference import add_rms_norm_ref, rms_norm_ref
+from kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +20,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        if x.is_cuda:
+            out, new_residual = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, new_residual)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm_ref(x, self.weight, self.eps)
+        return add_rms_norm_ref(x, residual, self.weight, self.eps)

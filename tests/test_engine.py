@@ -297,3 +297,42 @@ def test_bad_engine_configuration(tiny_checkpoint, tmp_path):
 def test_max_model_len_is_capped_by_the_model(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), max_model_len=10**6, kvcache_block_size=16)
     assert llm.config.max_model_len == llm.model_config.max_position_embeddings
+
+
+def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_checkpoint):
+    """``prepare_prefill`` against a token-by-token construction: a whole prompt, a chunk that
+    continues a partial prompt and a prompt behind cached blocks, with scrambled block tables."""
+    from engine.sequence import Sequence
+    from models.context import get_context, reset_context
+
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    runner, bs = llm.model_runner, 16
+    rng = random.Random(5)
+    plans = [(0, 37), (21, 30), (32, 5)]  # (num_cached_tokens, num_scheduled_tokens)
+    seqs = []
+    for cached, scheduled in plans:
+        seq = Sequence([rng.randrange(4000) for _ in range(cached + scheduled + 3)], greedy(), bs, 0.0)
+        seq.num_cached_tokens, seq.num_scheduled_tokens = cached, scheduled
+        seq.block_table = rng.sample(range(100), -(-(cached + scheduled) // bs))
+        seqs.append(seq)
+    try:
+        input_ids, positions = runner.prepare_prefill(seqs)
+        context = get_context()
+        expected_ids, expected_positions, expected_slots = [], [], []
+        for seq in seqs:
+            for p in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens):
+                expected_ids.append(seq.token_ids[p])
+                expected_positions.append(p)
+                expected_slots.append(seq.block_table[p // bs] * bs + p % bs)
+        assert input_ids.tolist() == expected_ids and positions.tolist() == expected_positions
+        assert context.slot_mapping.tolist() == expected_slots
+        assert context.cu_seqlens_q.tolist() == [0, 37, 67, 72]
+        assert context.cu_seqlens_k.tolist() == [0, 37, 88, 125]
+        assert (context.max_seqlen_q, context.max_seqlen_k) == (37, 51)
+        width = runner.decode_inputs.max_blocks_per_seq
+        assert context.block_tables.shape == (3, width)
+        assert [row[:len(seq.block_table)] for row, seq in zip(context.block_tables.tolist(), seqs)] == \
+            [seq.block_table for seq in seqs]
+        assert all(b == -1 for row, seq in zip(context.block_tables.tolist(), seqs) for b in row[len(seq.block_table):])
+    finally:
+        reset_context()

@@ -17,10 +17,13 @@ import torch
 from kernels import paged_attention as attn
 from kernels.activation import silu_and_mul
 from kernels.norm_rope_store import norm_rope_store
+from kernels.rms_norm import rms_norm
 from kernels.reference import (
+    add_rms_norm_ref,
     decode_attention_ref,
     norm_rope_store_ref,
     prefill_attention_ref,
+    rms_norm_ref,
     silu_and_mul_ref,
     skinny_gemm_ref,
     store_kvcache_ref,
@@ -382,6 +385,47 @@ def test_skinny_gemm_refuses_shapes_it_cannot_take() -> None:
     assert not skinny_gemm_fits(x, weight)  # on the CPU the engine keeps torch's path
 
 
+def _check_rms_norm(num_rows: int, n: int, dtype: torch.dtype, device: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    # A strided view for x (rows not packed), and a residual stream far from unit scale.
+    x = (torch.randn(num_rows, n + 8, generator=gen) * 4).to(dtype=dtype, device=device)[:, :n]
+    residual = (torch.randn(num_rows, n, generator=gen) * 4).to(dtype=dtype, device=device)
+    weight = (torch.rand(n, generator=gen) + 0.5).to(dtype=dtype, device=device)
+    before = x.clone(), residual.clone()
+    # The same float32 statistics and the same two roundings: a unit in the last place apart at most.
+    eps = torch.finfo(dtype).eps
+    out, same = rms_norm(x, weight, 1e-6)
+    assert same is x and out.dtype == dtype
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=eps, rtol=2 * eps)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual)
+    ref, ref_residual = add_rms_norm_ref(x, residual, weight, 1e-6)
+    torch.testing.assert_close(out, ref, atol=eps, rtol=2 * eps)
+    assert torch.equal(new_residual, ref_residual) and new_residual.is_contiguous()
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("num_rows,n", [(1, 64), (7, 100), (33, 256)])  # 100: a partial block of columns
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+def test_rms_norm_cpu(num_rows: int, n: int, dtype: torch.dtype) -> None:
+    _check_rms_norm(num_rows, n, dtype, "cpu", num_rows)
+
+
+@pytest.mark.usefixtures("cpu")
+def test_rms_norm_refuses_mismatched_inputs_and_takes_no_rows() -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, torch.ones(64), 1e-6, torch.randn(5, 64))
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, torch.ones(64), 1e-6, torch.randn(4, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[rows, hidden\]"):
+        rms_norm(torch.randn(2, 4, 64), torch.ones(64), 1e-6)
+    out, residual = rms_norm(x[:0], torch.ones(64), 1e-6, x[:0])
+    assert out.shape == residual.shape == (0, 64)
+
+
 def _check_silu_and_mul(num_rows: int, n: int, dtype: torch.dtype, device: str, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     # A strided view, as the gate/up product of a larger buffer would be: rows are not packed.
@@ -557,6 +601,15 @@ def test_silu_and_mul_gpu(dtype: torch.dtype) -> None:
     """Prefill-sized activations of Qwen3-0.6B and -4B, and row counts that change every step."""
     for seed, (num_rows, n) in enumerate(((16384, 3072), (4099, 9728), (1, 3072), (17, 100))):
         _check_silu_and_mul(num_rows, n, dtype, "cuda", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+def test_rms_norm_gpu(dtype: torch.dtype) -> None:
+    """Qwen3-0.6B's and -4B's hidden sizes at decode and prefill row counts."""
+    for seed, (num_rows, n) in enumerate(((1, 1024), (37, 1024), (16384, 1024), (256, 2560), (4099, 2560))):
+        _check_rms_norm(num_rows, n, dtype, "cuda", seed)
 
 
 @pytest.mark.gpu
