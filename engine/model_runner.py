@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -198,7 +199,7 @@ class ModelRunner:
 
     # --- inputs -------------------------------------------------------------------------------
 
-    def _tensor(self, values: np.ndarray | list, dtype: np.dtype) -> torch.Tensor:
+    def _tensor(self, values: npt.ArrayLike, dtype: npt.DTypeLike) -> torch.Tensor:
         host = torch.from_numpy(np.asarray(values, dtype=dtype))
         if self.device.type != "cuda":
             return host
