@@ -18,11 +18,10 @@ import triton
 import triton.language as tl
 
 
-# The row count changes every prefill step: specialising it would compile a new variant mid-run.
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, residual_out_ptr, weight_ptr, y_ptr,
-    num_rows, n,
+    n,
     stride_x, stride_r, stride_y,
     eps,
     ADD_RESIDUAL: tl.constexpr,
@@ -62,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block_n = triton.next_power_of_2(n)
     _rms_norm_kernel[(num_rows,)](
         x, x if residual is None else residual, new_residual, weight, y,
-        num_rows, n, x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), eps,
+        n, x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), eps,
         ADD_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=4 if block_n <= 2048 else 8,
     )
     return y, new_residual
