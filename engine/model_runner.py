@@ -333,7 +333,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits, padded_batch_size = self._decode_logits(num_rows, n)
         if self.rank == 0:
-            self.sampled[:n] = self.sampler(logits, temperatures)
+            self.sampler(logits, temperatures, out=self.sampled[:n])
         if self.config.tensor_parallel_size > 1:
             dist.broadcast(self.sampled[:n], src=0)
         self.sample_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}

@@ -4,8 +4,10 @@ Each figure is one projection of a Qwen3 decoder layer, timed the way a decode s
 copy per layer with distinct weights (so the weights come from HBM, not L2) captured in one CUDA
 graph, replayed, and divided by the number of layers. ``gate_up+silu`` compares cuBLAS followed by the Triton
 SiLU-and-mul kernel (the engine's prefill path) with the skinny GEMM that ends in SiLU-and-mul;
-the other rows compare plain products. The floor is the weight's bytes over the device-copy
-bandwidth measured in the same run.
+the other rows compare plain products. o and down also time what the engine runs where
+``split_k_fits``: the split-K skinny GEMM and the RMSNorm that adds its partials, against cuBLAS and
+the same norm on the whole product. The floor is the weight's bytes over the device-copy bandwidth
+measured in the same run.
 
     python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b]
 
@@ -26,7 +28,8 @@ import triton
 
 from experiments.attention_bench import copy_bandwidth
 from kernels.activation import silu_and_mul
-from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm
+from kernels.rms_norm import rms_norm
+from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm, skinny_gemm_partials, split_k_fits
 from models.checkpoint import PRESETS
 from models.config import Qwen3Config
 
@@ -39,14 +42,16 @@ class Projection:
     n: int
     k: int
     silu_mul: bool = False
+    feeds_norm: bool = False  # the output goes on into the residual add + RMSNorm
 
 
 def projections(config: Qwen3Config) -> list[Projection]:
     hidden, intermediate = config.hidden_size, config.intermediate_size
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
-    return [Projection("qkv", q_size + 2 * kv_size, hidden), Projection("o", hidden, q_size),
-            Projection("gate_up+silu", intermediate, hidden, True), Projection("down", hidden, intermediate)]
+    return [Projection("qkv", q_size + 2 * kv_size, hidden), Projection("o", hidden, q_size, feeds_norm=True),
+            Projection("gate_up+silu", intermediate, hidden, True),
+            Projection("down", hidden, intermediate, feeds_norm=True)]
 
 
 def graph_us(calls: list) -> float:
@@ -109,6 +114,16 @@ def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) ->
     line = (f"{proj.name:>10} M={m:<4} floor {floor_us:6.2f} us | cuBLAS {cublas:6.2f} us ({floor_us / cublas:4.0%}) | "
             f"skinny {triton_us:6.2f} us ({floor_us / triton_us:4.0%}) {picked.block_m}x{picked.block_n}x{picked.block_k}"
             f" | x{cublas / triton_us:.2f}")
+    if proj.feeds_norm and split_k_fits(x, weights[0]):
+        err = ((skinny_gemm_partials(x, weights[0]).sum(0) - ref.float()).norm() / ref.float().norm()).item()
+        if err > 1e-2:
+            raise AssertionError(f"{proj.name} m={m}: split-K relative error {err:.2e} against cuBLAS")
+        residual = torch.randn(m, proj.n, dtype=DTYPE, device="cuda", generator=gen)
+        norm_weight = torch.ones(proj.n, dtype=DTYPE, device="cuda")
+        whole = graph_us([lambda w=w: rms_norm(F.linear(x, w), norm_weight, 1e-6, residual) for w in weights])
+        split = graph_us([lambda w=w: rms_norm(skinny_gemm_partials(x, w), norm_weight, 1e-6, residual)
+                          for w in weights])
+        line += f" | +norm: cuBLAS {whole:6.2f} us, split-K {split:6.2f} us, x{whole / split:.2f}"
     if sweep and proj.silu_mul:
         timed = timed_configs(candidates(m, proj.k),
                               lambda c: [lambda w=w: skinny_gemm(x, w, proj.silu_mul, c) for w in weights])

@@ -1,14 +1,19 @@
-"""Triton token sampler: greedy at temperature 0, exact categorical sampling otherwise.
+"""Triton token sampler: greedy at temperature 0, categorical sampling from ``softmax(logits / T)``
+otherwise.
 
-Same law as the torch path in ``models.sampler``: row ``b`` picks ``argmax_i logits_i / T_b + G_i``
-with ``G_i`` independent Gumbel(0, 1) noise (the exponential race in log space), which is token ``i``
-with probability exactly ``softmax(logits / T_b)_i``; a row with ``T_b = 0`` takes the plain argmax.
-Ties go to the lowest index, as ``torch.argmax``.
+Sampling is inverse-transform sampling in two stages: a chunk of the vocabulary is drawn with
+probability equal to its share of the row's mass, then a token within that chunk with probability
+equal to its share of the chunk's mass. The product is each token's softmax probability, so the law
+is exact up to float32 rounding (each stage resolves masses to about 2^-24 of the mass it divides).
+A row with ``T = 0`` takes the plain argmax; ties go to the lowest index, as ``torch.argmax``.
 
-The logits are read once and the noise never touches memory: each program draws it with Philox
-from ``(seed, row, column)``, so a given seed gives the same tokens whatever the launch order. The
-vocabulary is split into chunks so that even one row spreads over the GPU; pass 1 writes each
-chunk's best (score, column) and pass 2, one program per row, keeps the best of those.
+Pass 1 reads every logit once, one program per (row, chunk) so that even one row spreads over the
+GPU, and keeps each chunk's maximum and its mass ``sum 2^((x - max) log2(e) / T)`` (greedy rows: the
+maximum and where it is). That is one exponential per logit and no per-logit randomness: the
+Gumbel-max race this replaces drew Philox noise and took two logarithms per logit, and was bound by
+that arithmetic rather than by reading the logits. Pass 2, one program per row, draws the row's two
+uniforms with Philox from ``(seed, row)``, picks the chunk from the chunk masses and re-reads only
+that chunk to pick the token, so a given seed gives the same tokens whatever the launch order.
 """
 
 from __future__ import annotations
@@ -19,115 +24,119 @@ import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a constexpr
 # 151,936 tokens (Qwen3) make 75 chunks: one row already occupies over half of an H100's 132 SMs,
-# batch 2 fills it, and batch 256 (19,200 programs) pays 8 bytes of partials per 4 KiB of logits.
+# batch 2 fills it, and batch 256 (19,200 programs) pays 12 bytes of partials per 4 KiB of logits.
 CHUNK = 2048
 
 
 @triton.jit
-def _log2(x, APPROX: tl.constexpr):
-    # tl.log2 is libdevice's exact log2f; the noise needs only the hardware approximation
-    # (relative error ~2^-22), which took the kernel from 139 to 82 us at batch 256 on an H200. The
-    # interpreter that runs the CPU tests has no PTX, so it keeps tl.log2.
-    if APPROX:
-        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return tl.log2(x)
-
-
-# The seed changes every call, and the temperatures may be a view at any offset (the decode inputs):
-# specialising either (== 1, divisible by 16) would recompile mid-run.
-@triton.jit(do_not_specialize=["temperatures_ptr", "seed"])
-def _chunk_best_kernel(
+def _chunk_stats_kernel(
     logits_ptr,
     temperatures_ptr,
-    best_score_ptr,
-    best_col_ptr,
+    chunk_max_ptr,
+    chunk_arg_ptr,
+    chunk_mass_ptr,
+    logits_stride_row,
+    VOCAB: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row * logits_stride_row + cols, mask=cols < VOCAB, other=float("-inf"))
+    x = x.to(tl.float32)
+    temperature = tl.load(temperatures_ptr + row)
+    at = row * NUM_CHUNKS + chunk
+    if temperature > 0:
+        best = tl.max(x, 0)
+        # A chunk of -inf logits has no mass; without the guard (-inf) - (-inf) would make it NaN.
+        shift = tl.where(best == float("-inf"), 0.0, best)
+        tl.store(chunk_mass_ptr + at, tl.sum(tl.exp2((x - shift) * (_LOG2E / temperature)), 0))
+    else:
+        best, col = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(chunk_arg_ptr + at, chunk * CHUNK + col)
+    tl.store(chunk_max_ptr + at, best)
+
+
+# The seed changes every call, and the temperatures and the output may be views at any offset (the
+# decode inputs, the engine's sample buffer): specialising any of them (== 1, divisible by 16)
+# would recompile mid-run.
+@triton.jit(do_not_specialize=["temperatures_ptr", "out_ptr", "seed"])
+def _pick_kernel(
+    logits_ptr,
+    temperatures_ptr,
+    chunk_max_ptr,
+    chunk_arg_ptr,
+    chunk_mass_ptr,
+    out_ptr,
     seed,
     logits_stride_row,
     VOCAB: tl.constexpr,
     CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
-    APPROX_LOG2: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    score = tl.load(logits_ptr + row * logits_stride_row + cols, mask=cols < VOCAB, other=float("-inf"))
-    score = score.to(tl.float32)
-    temperature = tl.load(temperatures_ptr + row)
-    if temperature > 0:
-        # One Philox call gives four words: counter (row, chunk, lane) covers columns 4 * lane to
-        # 4 * lane + 3 of the chunk, a quarter of the work of one call per column.
-        lanes = tl.arange(0, CHUNK // 4)
-        u0, u1, u2, u3 = tl.rand4x(seed, (row * NUM_CHUNKS + chunk) * (CHUNK // 4) + lanes)
-        u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [CHUNK])
-        # The exponential race in base 2 (log2 is the GPU's native log): E / ln 2 = -log2(u), and
-        # the scores are log2(e) * (logits / T - ln E) plus a constant, which keeps the argmax. The
-        # clamp keeps scores finite where u is 0 or rounds to 1, or an approximate log2 rounds to 0
-        # just below 1: an infinite score would make its token impossible or certain.
-        race = tl.clamp(-_log2(u, APPROX_LOG2), 1e-7, 32.0)
-        score = score * (_LOG2E / temperature) - _log2(race, APPROX_LOG2)
-    best, at = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(best_score_ptr + row * NUM_CHUNKS + chunk, best)
-    tl.store(best_col_ptr + row * NUM_CHUNKS + chunk, chunk * CHUNK + at)
-
-
-@triton.jit
-def _row_best_kernel(
-    best_score_ptr,
-    best_col_ptr,
-    out_ptr,
-    VOCAB: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,  # next power of two of NUM_CHUNKS (tl.arange needs one)
 ):
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS_PAD)
-    mask = chunks < NUM_CHUNKS
-    scores = tl.load(best_score_ptr + row * NUM_CHUNKS + chunks, mask=mask, other=float("-inf"))
-    cols = tl.load(best_col_ptr + row * NUM_CHUNKS + chunks, mask=mask, other=VOCAB)
-    best = tl.max(scores, 0)
-    # Chunks hold increasing columns, so the lowest column among the tied chunks is the row's first.
-    tl.store(out_ptr + row, tl.min(tl.where(scores == best, cols, VOCAB), 0).to(tl.int64))
+    valid = chunks < NUM_CHUNKS
+    maxes = tl.load(chunk_max_ptr + row * NUM_CHUNKS + chunks, mask=valid, other=float("-inf"))
+    temperature = tl.load(temperatures_ptr + row)
+    if temperature > 0:
+        scale = _LOG2E / temperature
+        # Each chunk's mass relative to the row's maximum; a chunk of -inf logits weighs 0.
+        weights = tl.load(chunk_mass_ptr + row * NUM_CHUNKS + chunks, mask=valid, other=0.0)
+        weights = tl.where(maxes == float("-inf"), 0.0, weights * tl.exp2((maxes - tl.max(maxes, 0)) * scale))
+        u_chunk, u_token, _, _ = tl.rand4x(seed, row)
+        # Stage 1: the first chunk whose cumulative weight reaches u * total. With u in (0, 1] the
+        # target is positive, so the chunk it lands in has positive weight (a zero-weight chunk
+        # repeats its predecessor's cumulative sum, which would have been chosen first).
+        chunk_cum = tl.cumsum(weights, 0)
+        chunk_target = (1.0 - u_chunk) * tl.max(chunk_cum, 0)
+        chunk = tl.minimum(tl.sum((chunk_cum < chunk_target).to(tl.int32), 0), NUM_CHUNKS - 1)
+        # Stage 2: the same within that chunk, from its own cumulative sum, so that rounding
+        # differences from pass 1's sum cannot leave the target past the chunk's end.
+        token_cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(logits_ptr + row * logits_stride_row + token_cols, mask=token_cols < VOCAB, other=float("-inf"))
+        chunk_best = tl.load(chunk_max_ptr + row * NUM_CHUNKS + chunk)
+        token_cum = tl.cumsum(tl.exp2((x.to(tl.float32) - chunk_best) * scale), 0)
+        token_target = (1.0 - u_token) * tl.max(token_cum, 0)
+        token = chunk * CHUNK + tl.minimum(tl.sum((token_cum < token_target).to(tl.int32), 0), CHUNK - 1)
+    else:
+        best_cols = tl.load(chunk_arg_ptr + row * NUM_CHUNKS + chunks, mask=valid, other=VOCAB)
+        # Chunks hold increasing columns, so the lowest column among the tied chunks is the row's first.
+        token = tl.min(tl.where(maxes == tl.max(maxes, 0), best_cols, VOCAB), 0)
+    tl.store(out_ptr + row, token.to(out_ptr.dtype.element_ty))
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``logits [B, V]`` (any float dtype, rows contiguous), ``temperatures [B]`` float32 (0 = greedy)
-    -> token ids ``[B]`` (int64). ``seed`` (any int; its low 62 bits count) picks the noise."""
+    -> token ids ``[B]``, written into ``out`` (int32 or int64) when given, else a new int64 tensor.
+    ``seed`` (any int; its low 62 bits count) picks the draws."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     assert temperatures.shape == (batch,) and temperatures.dtype == torch.float32
     assert temperatures.device == logits.device and temperatures.is_contiguous()
-    num_chunks = triton.cdiv(vocab, CHUNK)
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    assert out.shape == (batch,) and out.dtype in (torch.int32, torch.int64) and out.is_contiguous()
+    assert out.device == logits.device
     if batch == 0:
         return out
-    best_score = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
-    best_col = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    chunk_max = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_arg = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+    chunk_mass = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    _chunk_stats_kernel[(batch, num_chunks)](
+        logits, temperatures, chunk_max, chunk_arg, chunk_mass, logits.stride(0),
+        VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=num_chunks, num_warps=4,
+    )
     # Triton types an integer argument by its magnitude (int32, int64, uint64) and compiles once
     # per type: every seed goes in as an int64 of the same range, so a new seed never recompiles.
     seed = 2**62 + seed % 2**62
-    _chunk_best_kernel[(batch, num_chunks)](
-        logits,
-        temperatures,
-        best_score,
-        best_col,
-        seed,
-        logits.stride(0),
-        VOCAB=vocab,
-        CHUNK=CHUNK,
-        NUM_CHUNKS=num_chunks,
-        APPROX_LOG2=logits.is_cuda,
+    _pick_kernel[(batch,)](
+        logits, temperatures, chunk_max, chunk_arg, chunk_mass, out, seed, logits.stride(0),
+        VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
         num_warps=4,
-    )
-    _row_best_kernel[(batch,)](
-        best_score,
-        best_col,
-        out,
-        VOCAB=vocab,
-        NUM_CHUNKS=num_chunks,
-        CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-        num_warps=1,
     )
     return out

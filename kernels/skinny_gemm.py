@@ -11,8 +11,15 @@ Measured against cuBLAS plus the compiled activation (``experiments/gemm_bench.p
 layers' weights per CUDA graph), Qwen3-0.6B's product (1,024 -> 2 x 3,072): 6.2 vs 7.3-7.6 us per
 layer at 1-16 rows, 6.8 vs 8.4 at 64, 11.5 vs 12.7 at 256. Qwen3-4B's (2,560 -> 2 x 9,728) gained at
 up to 32 rows and lost at 128 and more (decode steps 0.6-0.8 ms slower), where cuBLAS's Hopper
-kernels pull ahead on the arithmetic; ``MAX_MACS`` keeps such products on cuBLAS. The plain
-product is no faster than cuBLAS, so the engine uses only the fused one.
+kernels pull ahead on the arithmetic; ``MAX_MACS`` keeps such products on cuBLAS.
+
+A plain product whose output is the hidden size (attention's o_proj and the MLP's down_proj, N =
+1,024 on Qwen3-0.6B) leaves most SMs idle with a tile of columns per program, and cuBLAS takes
+5.6-7.5 us per layer at 1-64 rows for weights that read in 1.4-2.1 us. Split over K as well
+(``split_k``), enough programs stream the weight to fill the GPU, each writing a float32 partial
+product; the RMSNorm that always follows these projections adds the partials as it loads them
+(``kernels.rms_norm``), so the split costs no reduction kernel. H100, 28 layers' weights per CUDA
+graph, product + norm: o_proj 6.3-6.6 vs 7.8 us at 8-64 rows, down_proj 7.3-7.8 vs 8.7-9.0.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import triton.language as tl
 # prefill, and decode batches of models where the product is no longer bandwidth-bound (Qwen3-0.6B
 # stays below this up to 341 rows, Qwen3-4B up to 43).
 MAX_MACS = 2**31
+# o_proj/down_proj split K up to this many rows; above it cuBLAS's tiles already fill the GPU.
+SPLIT_K_MAX_ROWS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,32 +45,36 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # programs per output tile, each reducing its own 1/split_k of K
 
 
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, y_ptr,
-    M, N, K,
+    M, N, K_PER_SPLIT,
     stride_xm, stride_wn, stride_ym,
     SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # N counts output columns: with SILU_MUL the weight has 2N rows, gate rows first.
+    # N counts output columns: with SILU_MUL the weight has 2N rows, gate rows first. Split s
+    # reduces K from s * K_PER_SPLIT on and writes rows s * M ... of y (its own partial product).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    k_start = split * K_PER_SPLIT
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k_start
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start
     up_cols = w_cols + N.to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):  # the host checks that K is a multiple of BLOCK_K
+    for k in range(0, K_PER_SPLIT, BLOCK_K):  # the host checks that BLOCK_K divides K_PER_SPLIT
         a = tl.load(x_rows + (k + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
         b = tl.load(w_cols + (k + offs_k)[:, None], mask=n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
@@ -74,7 +87,7 @@ def _skinny_gemm_kernel(
         out = (gate / (1.0 + tl.exp(-gate)) * acc_up.to(out_ty).to(tl.float32)).to(out_ty)
     else:
         out = acc.to(out_ty)
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + (split * M + offs_m)[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -86,10 +99,51 @@ def choose_config(m: int, k: int) -> GemmConfig:
     return GemmConfig(min(64, max(16, triton.next_power_of_2(m))), 32 if m <= 64 else 64, block_k)
 
 
+def choose_split_k_config(m: int, k: int) -> GemmConfig | None:
+    """The split-K tile for an ``m``-row product whose output feeds an RMSNorm (o_proj, down_proj),
+    or None where cuBLAS is as fast (more rows) or no split divides K into whole reduction steps."""
+    if m > SPLIT_K_MAX_ROWS:
+        return None
+    split_k = 4 if m <= 64 else 2
+    if k % split_k:
+        return None
+    block_k = next((b for b in (256, 128, 64) if (k // split_k) % b == 0), None)
+    if block_k is None:
+        return None
+    return GemmConfig(min(64, max(16, triton.next_power_of_2(m))), 32, block_k, split_k=split_k)
+
+
 def skinny_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_gemm`` takes this product: CUDA, at most ``MAX_MACS`` multiply-adds, K a
     multiple of 16."""
     return x.is_cuda and x.shape[0] * weight.numel() <= MAX_MACS and weight.shape[1] % 16 == 0
+
+
+def split_k_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_gemm_partials`` takes this product: CUDA and a split-K tile for its shape."""
+    return x.is_cuda and choose_split_k_config(x.shape[0], weight.shape[1]) is not None
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> None:
+    if weight.shape[1] != x.shape[1] or (silu_mul and weight.shape[0] % 2):
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
+                         + (" (with silu_mul the weight stacks gate and up: an even number of rows)" if silu_mul else ""))
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight must be contiguous in their last dimension")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n: int, config: GemmConfig,
+            silu_mul: bool) -> None:
+    m, k = x.shape
+    if k % (config.split_k * config.block_k):
+        raise ValueError(f"K={k} does not split into {config.split_k} slice(s) of whole {config.block_k}-wide"
+                         " reduction steps")
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
+    _skinny_gemm_kernel[grid](
+        x, weight, y, m, n, k // config.split_k, x.stride(0), weight.stride(0), y.stride(-2),
+        SILU_MUL=silu_mul, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
@@ -97,21 +151,24 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
     """``x @ weight.T`` for ``x [M, K]`` and ``weight [N, K]``, both contiguous in their last
     dimension; with ``silu_mul`` the weight is ``[gate; up]`` (``[2N, K]``) and the result is
     ``silu(x @ gate.T) * (x @ up.T)``, ``[M, N]``."""
-    m, k = x.shape
+    _check_operands(x, weight, silu_mul)
+    config = config or choose_config(x.shape[0], x.shape[1])
+    if config.split_k != 1:
+        raise ValueError("skinny_gemm writes whole products: use skinny_gemm_partials to split K")
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if weight.shape[1] != k or (silu_mul and weight.shape[0] % 2):
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
-                         + (" (with silu_mul the weight stacks gate and up: an even number of rows)" if silu_mul else ""))
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x and weight must be contiguous in their last dimension")
-    config = config or choose_config(m, k)
-    if k % config.block_k:
-        raise ValueError(f"K={k} is not a multiple of the {config.block_k}-wide reduction step")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
-    _skinny_gemm_kernel[grid](
-        x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        SILU_MUL=silu_mul, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    _launch(x, weight, y, n, config, silu_mul)
     return y
+
+
+def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T`` as float32 partial products ``[split_k, M, N]`` over equal slices of K: their
+    sum over the first dimension is the product. ``config`` defaults to ``choose_split_k_config``."""
+    _check_operands(x, weight, False)
+    m, k = x.shape
+    config = config or choose_split_k_config(m, k)
+    if config is None:
+        raise ValueError(f"no split-K tile for {m} rows and K={k}: check split_k_fits first")
+    partials = torch.empty(config.split_k, m, weight.shape[0], dtype=torch.float32, device=x.device)
+    _launch(x, weight, partials, weight.shape[0], config, False)
+    return partials

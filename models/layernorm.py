@@ -19,7 +19,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``; on CUDA
+        ``x`` may then be split-K partial products, summed first (``kernels.rms_norm``)."""
         if x.is_cuda:
             out, new_residual = rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits
+from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits, skinny_gemm_partials, split_k_fits
 from models.activation import SiluAndMul
 from models.attention import Attention
 from models.config import Qwen3Config
@@ -17,6 +17,17 @@ from models.embed_head import ParallelLMHead, VocabParallelEmbedding
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.rotary import RotaryEmbedding
+
+
+def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """The output of o_proj or down_proj, which always goes on into the next RMSNorm's residual add.
+
+    At decode sizes on one GPU that is the product's float32 split-K partials ``[splits, rows,
+    hidden]``: the norm adds them up as it loads them, so splitting K (which fills the GPU where
+    cuBLAS leaves it idle) needs no reduction kernel."""
+    if proj.tp_size == 1 and proj.bias is None and split_k_fits(x, proj.weight):
+        return skinny_gemm_partials(x, proj.weight)
+    return proj(x)
 
 
 class Qwen3Attention(nn.Module):
@@ -40,7 +51,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        return self.o_proj(self.attn(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb.cos_sin_cache))
+        attn_out = self.attn(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb.cos_sin_cache)
+        return residual_branch_output(self.o_proj, attn_out)
 
 
 class Qwen3MLP(nn.Module):
@@ -53,8 +65,8 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if skinny_gemm_fits(x, self.gate_up_proj.weight):
             # A decode-sized batch: one kernel for the projection and the activation.
-            return self.down_proj(skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True))
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+            return residual_branch_output(self.down_proj, skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True))
+        return residual_branch_output(self.down_proj, self.act_fn(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -68,7 +80,8 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous sub-block is fused into the next norm.
+        # The residual add of the previous sub-block is fused into the next norm (and so is the sum
+        # of split-K partials, where the sub-block's last projection left them).
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

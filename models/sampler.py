@@ -1,14 +1,15 @@
-"""Token sampling: greedy at temperature 0, exact categorical sampling otherwise.
+"""Token sampling: greedy at temperature 0, categorical sampling from ``softmax(logits / T)`` otherwise.
 
-Sampling uses the exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` picks ``i`` with
-probability exactly ``p_i`` (``E_i / p_i`` is exponential with rate ``p_i``, and the smallest of
-independent exponentials is ``i`` with probability proportional to its rate). In log space that is
-``argmax_i logits_i / T - log E_i``: ``log p_i`` differs from ``logits_i / T`` by the softmax's
-normaliser, a constant, so no softmax, cumulative sum or sort is needed. Both branches run for every
-row, so a batch mixing greedy and sampled requests costs no host synchronisation.
+On the CPU, sampling uses the exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` picks
+``i`` with probability exactly ``p_i`` (``E_i / p_i`` is exponential with rate ``p_i``, and the
+smallest of independent exponentials is ``i`` with probability proportional to its rate). In log
+space that is ``argmax_i logits_i / T - log E_i``: ``log p_i`` differs from ``logits_i / T`` by the
+softmax's normaliser, a constant, so no softmax, cumulative sum or sort is needed. Both branches run
+for every row, so a batch mixing greedy and sampled requests costs no host synchronisation.
 
-On CUDA one Triton kernel pair (``kernels.sampling``) reads the logits once and draws the noise
-in-kernel; on the CPU the noise is a tensor drawn from a seeded ``torch.Generator``.
+The noise is a tensor drawn from a seeded ``torch.Generator``. On CUDA one Triton kernel pair
+(``kernels.sampling``) samples the same law by inverse transform instead: one exponential per logit
+and two uniforms per row, where the race needs a random draw and a logarithm per logit.
 """
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ class Sampler(nn.Module):
         self.calls += 1
         return _mix64((self._mixed_seed + self.calls * _GOLDEN_GAMMA) & _MASK64)
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """``logits [B, V]``, ``temperatures [B]`` (0 = greedy) -> token ids ``[B]`` (int64).
+    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits [B, V]``, ``temperatures [B]`` (0 = greedy) -> token ids ``[B]``: int64, or
+        written into ``out`` (int32 or int64, on the logits' device) when given.
 
         Draws are reproducible for a given seed and sequence of calls."""
         temperatures = temperatures.to(device=logits.device, dtype=torch.float32)
         if logits.is_cuda:
             from kernels.sampling import sample  # triton: imported only where a GPU runs it
 
-            return sample(logits, temperatures.contiguous(), self._call_seed())
-        return _exponential_race(logits, temperatures, self.generator)
+            return sample(logits, temperatures.contiguous(), self._call_seed(), out)
+        tokens = _exponential_race(logits, temperatures, self.generator)
+        return tokens if out is None else out.copy_(tokens)

@@ -28,7 +28,15 @@ from kernels.reference import (
     skinny_gemm_ref,
     store_kvcache_ref,
 )
-from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm, skinny_gemm_fits
+from kernels.skinny_gemm import (
+    GemmConfig,
+    choose_config,
+    choose_split_k_config,
+    skinny_gemm,
+    skinny_gemm_fits,
+    skinny_gemm_partials,
+    split_k_fits,
+)
 from models.rotary import RotaryEmbedding
 
 
@@ -373,6 +381,43 @@ def test_skinny_gemm_cpu(m: int, n: int, k: int, silu_mul: bool, config: GemmCon
     _check_skinny_gemm(m, n, k, silu_mul, config, dtype, "cpu", m)
 
 
+def _check_skinny_gemm_partials(m: int, n: int, k: int, config: GemmConfig | None, dtype: torch.dtype,
+                                device: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype=dtype, device=device)
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype=dtype, device=device)
+    partials = skinny_gemm_partials(x, weight, config)
+    splits = (config or choose_split_k_config(m, k)).split_k
+    assert partials.shape == (splits, m, n) and partials.dtype == torch.float32
+    reference = x.float() @ weight.float().t()
+    assert _rel_err(partials.sum(0), reference) < _TOL[dtype]
+    # Each partial is its own slice of K, not a share of the whole product.
+    step = k // splits
+    first = x[:, :step].float() @ weight[:, :step].float().t()
+    assert _rel_err(partials[0], first) < _TOL[dtype]
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 64, 1024, None),  # split 4 of 256-wide steps
+    (20, 96, 512, None),  # N not a multiple of the tile
+    (100, 64, 512, None),  # 65-128 rows: split 2
+    (3, 64, 384, GemmConfig(16, 32, 64, split_k=3)),
+])
+def test_skinny_gemm_partials_cpu(m: int, n: int, k: int, config: GemmConfig | None) -> None:
+    _check_skinny_gemm_partials(m, n, k, config, torch.float16, "cpu", m)
+
+
+def test_choose_split_k_config() -> None:
+    for m in (1, 16, 64, 65, 128):
+        for k in (2048, 3072, 4096, 9728, 512):
+            c = choose_split_k_config(m, k)
+            assert c is not None and k % (c.split_k * c.block_k) == 0 and c.block_m >= min(m, 16)
+            assert c.split_k == (4 if m <= 64 else 2)
+    assert choose_split_k_config(129, 2048) is None  # cuBLAS's tiles fill the GPU from here on
+    assert choose_split_k_config(8, 4 * 40) is None  # no whole 64-wide steps in each quarter of K
+
+
 @pytest.mark.usefixtures("cpu")
 def test_skinny_gemm_refuses_shapes_it_cannot_take() -> None:
     x, weight = torch.randn(4, 256), torch.randn(64, 256)
@@ -380,9 +425,16 @@ def test_skinny_gemm_refuses_shapes_it_cannot_take() -> None:
         skinny_gemm(torch.randn(4, 128), weight)
     with pytest.raises(ValueError, match="even number"):
         skinny_gemm(x, torch.randn(63, 256), True)
-    with pytest.raises(ValueError, match="multiple of the 128-wide"):
+    with pytest.raises(ValueError, match="whole 128-wide reduction steps"):
         skinny_gemm(torch.randn(4, 96), torch.randn(64, 96), config=GemmConfig(16, 32, 128))
-    assert not skinny_gemm_fits(x, weight)  # on the CPU the engine keeps torch's path
+    with pytest.raises(ValueError, match="skinny_gemm_partials"):
+        skinny_gemm(x, weight, config=GemmConfig(16, 32, 64, split_k=2))
+    with pytest.raises(ValueError, match="2 slice"):
+        skinny_gemm_partials(torch.randn(4, 192), torch.randn(64, 192), GemmConfig(16, 32, 64, split_k=2))
+    with pytest.raises(ValueError, match="check split_k_fits"):
+        skinny_gemm_partials(torch.randn(200, 256), torch.randn(64, 256))
+    # On the CPU the engine keeps torch's path.
+    assert not skinny_gemm_fits(x, weight) and not split_k_fits(x, weight)
 
 
 def _check_rms_norm(num_rows: int, n: int, dtype: torch.dtype, device: str, seed: int) -> None:
@@ -411,6 +463,28 @@ def test_rms_norm_cpu(num_rows: int, n: int, dtype: torch.dtype) -> None:
     _check_rms_norm(num_rows, n, dtype, "cpu", num_rows)
 
 
+def _check_rms_norm_of_partials(splits: int, num_rows: int, n: int, dtype: torch.dtype, device: str,
+                                seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    partials = (torch.randn(splits, num_rows, n, generator=gen) * 2).to(device)
+    residual = (torch.randn(num_rows, n, generator=gen) * 4).to(dtype=dtype, device=device)
+    weight = (torch.rand(n, generator=gen) + 0.5).to(dtype=dtype, device=device)
+    out, new_residual = rms_norm(partials, weight, 1e-6, residual)
+    # The oracle: the partials summed and rounded like a whole product, then the residual add + norm.
+    ref, ref_residual = add_rms_norm_ref(partials.sum(0).to(dtype), residual, weight, 1e-6)
+    eps = torch.finfo(dtype).eps
+    assert out.dtype == new_residual.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=eps, rtol=2 * eps)
+    # Float32 sums in another order may round the product to the neighbouring value, rarely.
+    torch.testing.assert_close(new_residual, ref_residual, atol=eps, rtol=2 * eps)
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("splits,num_rows,n", [(1, 3, 64), (2, 5, 100), (4, 17, 256)])
+def test_rms_norm_of_split_k_partials_cpu(splits: int, num_rows: int, n: int) -> None:
+    _check_rms_norm_of_partials(splits, num_rows, n, torch.float16, "cpu", splits)
+
+
 @pytest.mark.usefixtures("cpu")
 def test_rms_norm_refuses_mismatched_inputs_and_takes_no_rows() -> None:
     x = torch.randn(4, 64)
@@ -421,7 +495,11 @@ def test_rms_norm_refuses_mismatched_inputs_and_takes_no_rows() -> None:
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, torch.ones(64), 1e-6, torch.randn(4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"\[rows, hidden\]"):
+        rms_norm(torch.randn(2, 4, 64, dtype=torch.float16), torch.ones(64), 1e-6, torch.randn(4, 64))
+    with pytest.raises(ValueError, match="with a residual"):  # partials alone: nothing to round them to
         rms_norm(torch.randn(2, 4, 64), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(torch.randn(2, 4, 64), torch.ones(64), 1e-6, torch.randn(3, 64))
     out, residual = rms_norm(x[:0], torch.ones(64), 1e-6, x[:0])
     assert out.shape == residual.shape == (0, 64)
 
@@ -625,6 +703,20 @@ def test_skinny_gemm_gpu(m: int) -> None:
     assert skinny_gemm_fits(x, torch.empty(2 * 3072, 1024, dtype=torch.bfloat16, device="cuda"))
     x = torch.empty(m, 2560, dtype=torch.bfloat16, device="cuda")
     assert skinny_gemm_fits(x, torch.empty(2 * 9728, 2560, dtype=torch.bfloat16, device="cuda")) == (m <= 43)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("m", (1, 2, 8, 16, 33, 64, 65, 128))
+def test_skinny_gemm_partials_gpu(m: int) -> None:
+    """o_proj and down_proj of Qwen3-0.6B and -4B at every row count the engine splits, and the norm
+    that adds the partials."""
+    for n, k in ((1024, 2048), (1024, 3072), (2560, 4096), (2560, 9728)):
+        _check_skinny_gemm_partials(m, n, k, None, torch.bfloat16, "cuda", m)
+    _check_rms_norm_of_partials(4 if m <= 64 else 2, m, 1024, torch.bfloat16, "cuda", m)
+    x = torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda")
+    assert split_k_fits(x, torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda"))
+    assert not split_k_fits(torch.empty(129, 2048, dtype=torch.bfloat16, device="cuda"), x[:1])
 
 
 @pytest.mark.gpu

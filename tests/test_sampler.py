@@ -67,6 +67,14 @@ def test_per_request_temperatures_in_one_batch() -> None:
         assert stat < CHI2_CRITICAL_DF7, f"T={temperature}: chi-square {stat:.1f}"
 
 
+def test_writes_into_out() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    temperatures = torch.tensor([0.0, 0.7] * 3)
+    out = torch.zeros(6, dtype=torch.int32)
+    assert Sampler(4)(logits, temperatures, out=out) is out
+    assert torch.equal(out.long(), Sampler(4)(logits, temperatures))
+
+
 def test_seed_makes_draws_reproducible() -> None:
     assert torch.equal(draw(1.0, seed=5), draw(1.0, seed=5))
     assert not torch.equal(draw(1.0, seed=5), draw(1.0, seed=6))
@@ -141,10 +149,24 @@ def test_kernel_extreme_temperatures(cpu) -> None:
     assert torch.bincount(spread, minlength=8).min() > 0.5 * 600 / 8
 
 
+def test_kernel_writes_into_int32_out(cpu) -> None:
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(6))
+    temperatures = torch.tensor([0.0, 1.0] * 4)
+    out = torch.full((10,), -1, dtype=torch.int32)
+    returned = sampling.sample(logits, temperatures, seed=9, out=out[1:9])
+    assert returned.data_ptr() == out[1:9].data_ptr()
+    assert out[0] == -1 and out[9] == -1  # nothing written outside the view
+    assert torch.equal(out[1:9].long(), sampling.sample(logits, temperatures, seed=9))
+    assert torch.equal(out[1:9:2].long(), logits[0::2].argmax(-1))
+    with pytest.raises(AssertionError):
+        sampling.sample(logits, temperatures, seed=9, out=torch.empty(8, dtype=torch.float32))
+
+
 def test_kernel_vocabulary_across_chunks(cpu) -> None:
-    # Three full chunks and a ragged tail; one hot token in each, every other token impossible.
+    # Four full chunks and a ragged tail; one hot token in each but the fourth, every other token
+    # impossible (so the fourth chunk has no mass at all).
     chunk = sampling.CHUNK
-    vocab = 3 * chunk + 37
+    vocab = 4 * chunk + 37
     hot = torch.tensor([5, chunk + 100, 3 * chunk - 1, vocab - 1])
     hot_logits = torch.tensor([0.0, 2.0, -1.0, 1.0])
     row = torch.full((vocab,), float("-inf"))
@@ -238,7 +260,7 @@ def test_gpu_new_seeds_never_recompile(gpu) -> None:
     logits = torch.randn(4, VOCAB, device="cuda").bfloat16()
     temperatures = torch.ones(4, device="cuda")
     sampling.sample(logits, temperatures, seed=2**40)
-    compiled = sampling._chunk_best_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = sampling._pick_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(compiled)
     for seed in (0, 1, 16, 2**31, 2**63, 2**64 - 1, -5):
         sampling.sample(logits, temperatures, seed=seed)
