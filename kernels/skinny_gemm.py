@@ -19,7 +19,7 @@ A plain product whose output is the hidden size (attention's o_proj and the MLP'
 (``split_k``), enough programs stream the weight to fill the GPU, each writing a float32 partial
 product; the RMSNorm that always follows these projections adds the partials as it loads them
 (``kernels.rms_norm``), so the split costs no reduction kernel. H100, 28 layers' weights per CUDA
-graph, product + norm: o_proj 6.3-6.6 vs 7.8 us at 8-64 rows, down_proj 7.3-7.8 vs 8.7-9.0.
+graph, product + norm at 1-128 rows: o_proj 5.6-7.3 vs 7.0-8.2 us, down_proj 7.0-8.3 vs 8.6-9.6.
 """
 
 from __future__ import annotations
