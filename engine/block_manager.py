@@ -69,29 +69,44 @@ class BlockManager:
         h.update(np.array(token_ids, dtype=np.int64).tobytes())
         return h.intdigest()
 
-    def _allocate_block(self) -> int:
+    def _is_cache_entry(self, block: Block) -> bool:
+        """Whether ``block`` is the one the prefix cache hands out for its hash."""
+        return block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id
+
+    def _allocate_block(self, evicted: list[tuple[int, int]]) -> int:
+        """Take the free pool's next block; the cache entry it held, if any, is appended to ``evicted``
+        as ``(block_id, hash)``, for the caller to emit once its own state is complete."""
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
-        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+        if self._is_cache_entry(block):
             del self.hash_to_block_id[block.hash]
-            if self.events.active:
-                self.events.emit(BlockEvict, block_id=block_id, hash=block.hash)
+            evicted.append((block_id, block.hash))
         block.reset()
         self.used_block_ids.add(block_id)
         return block_id
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _emit_evictions(self, evicted: list[tuple[int, int]]) -> None:
+        if self.events.active:
+            for block_id, hash_ in evicted:
+                self.events.emit(BlockEvict, block_id=block_id, hash=hash_)
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the first ``num_blocks`` full blocks of ``seq``, each computed once
+        and kept on the sequence (its tokens never change once known)."""
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_blocks):
+            hashes.append(self.compute_hash(seq.block(i), hashes[-1] if hashes else NO_HASH))
+        return hashes
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the cached prefix of ``seq``: at most every block but the one holding the last
         token, which is always recomputed so that at least one query token produces logits."""
         if not self.enable_prefix_caching:
             return []
         hit_block_ids = []
-        h = NO_HASH
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, h)
+        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
             block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+            if block_id == -1 or self.blocks[block_id].token_ids != seq.block(i):
                 break
             hit_block_ids.append(block_id)
         return hit_block_ids
@@ -99,21 +114,16 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def can_allocate(self, seq: Sequence) -> int:
-        """The number of prefix-cached blocks ``seq`` would reuse, or -1 when the pool cannot hold it."""
-        hit_block_ids = self._cached_prefix(seq)
+    def can_allocate(self, seq: Sequence, hit_block_ids: list[int]) -> bool:
+        """Whether the pool can hold ``seq`` with its ``cached_prefix`` reused."""
         # Hits on blocks already in use cost nothing; hits on cached free blocks still leave the pool.
         num_new_blocks = seq.num_blocks - sum(1 for b in hit_block_ids if b in self.used_block_ids)
-        if len(self.free_block_ids) < num_new_blocks:
-            return -1
-        return len(hit_block_ids)
+        return len(self.free_block_ids) >= num_new_blocks
 
-    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
-        """Give ``seq`` a block table for its whole token list, reusing its first ``num_cached_blocks``
-        blocks from the prefix cache (as returned by ``can_allocate``)."""
+    def allocate(self, seq: Sequence, hit_block_ids: list[int]) -> None:
+        """Give ``seq`` a block table for its whole token list, reusing its ``cached_prefix``
+        (``can_allocate`` said it fits, and nothing was allocated since)."""
         assert not seq.block_table, f"request {seq.seq_id} already holds blocks"
-        hit_block_ids = self._cached_prefix(seq)[:num_cached_blocks]
-        assert len(hit_block_ids) == num_cached_blocks, "the prefix cache changed since can_allocate"
         for block_id in hit_block_ids:
             block = self.blocks[block_id]
             if block_id in self.used_block_ids:
@@ -123,9 +133,11 @@ class BlockManager:
                 self.free_block_ids.remove(block_id)
                 self.used_block_ids.add(block_id)
             seq.block_table.append(block_id)
-        for _ in range(num_cached_blocks, seq.num_blocks):
-            seq.block_table.append(self._allocate_block())
-        seq.num_cached_tokens = num_cached_blocks * self.block_size
+        evicted: list[tuple[int, int]] = []
+        for _ in range(len(hit_block_ids), seq.num_blocks):
+            seq.block_table.append(self._allocate_block(evicted))
+        seq.num_cached_tokens = len(hit_block_ids) * self.block_size
+        self._emit_evictions(evicted)
         if self.events.active:
             self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=tuple(seq.block_table),
                              refcounts=tuple(self.blocks[b].ref_count for b in seq.block_table))
@@ -136,34 +148,32 @@ class BlockManager:
         """Release every block of ``seq``; returns how many went back to the free pool."""
         freed = 0
         # Tail blocks are released first so that, among one request's blocks, the prefix is evicted last.
-        for block_id in reversed(seq.block_table):
+        block_ids = tuple(reversed(seq.block_table))
+        seq.num_cached_tokens = 0
+        seq.block_table = []
+        for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.used_block_ids.remove(block_id)
-                if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+                if self._is_cache_entry(block):
                     self.free_block_ids.append(block_id)
                 else:
                     # Holds nothing reusable: hand it out before any cached block.
                     self.free_block_ids.appendleft(block_id)
                 freed += 1
-        if self.events.active and seq.block_table:
-            block_ids = tuple(reversed(seq.block_table))
+        if self.events.active and block_ids:
             self.events.emit(BlockFree, request_id=seq.seq_id, block_ids=block_ids,
                              refcounts=tuple(self.blocks[b].ref_count for b in block_ids))
-        seq.num_cached_tokens = 0
-        seq.block_table = []
         return freed
 
     def uncache(self, seq: Sequence) -> None:
         """Withdraw the prefix-cache entries of ``seq``'s blocks (their K/V cannot be trusted). The
         blocks keep their hashes, which later blocks of other requests chain from."""
-        for block_id in seq.block_table:
-            block = self.blocks[block_id]
-            if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
-                if self.events.active:
-                    self.events.emit(BlockEvict, block_id=block_id, hash=block.hash)
+        withdrawn = [(b, self.blocks[b].hash) for b in seq.block_table if self._is_cache_entry(self.blocks[b])]
+        for _, hash_ in withdrawn:
+            del self.hash_to_block_id[hash_]
+        self._emit_evictions(withdrawn)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``), for benchmarks that rerun the
@@ -171,13 +181,12 @@ class BlockManager:
         if self.used_block_ids:
             raise RuntimeError(f"{len(self.used_block_ids)} blocks are held by requests: the prefix cache can "
                                "only be reset when the engine is idle")
-        for h, block_id in self.hash_to_block_id.items():
-            self.blocks[block_id].update(NO_HASH, [])
-            if self.events.active:
-                self.events.emit(BlockEvict, block_id=block_id, hash=h)
-        forgotten = len(self.hash_to_block_id)
+        forgotten = [(block_id, hash_) for hash_, block_id in self.hash_to_block_id.items()]
         self.hash_to_block_id.clear()
-        return forgotten
+        for block_id, _ in forgotten:
+            self.blocks[block_id].update(NO_HASH, [])
+        self._emit_evictions(forgotten)
+        return len(forgotten)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token being decoded has a slot: a new block is needed when it opens one."""
@@ -185,8 +194,10 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         if len(seq) % self.block_size == 1:
-            block_id = self._allocate_block()
+            evicted: list[tuple[int, int]] = []
+            block_id = self._allocate_block(evicted)
             seq.block_table.append(block_id)
+            self._emit_evictions(evicted)
             if self.events.active:
                 self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=(block_id,), refcounts=(1,))
 
@@ -199,14 +210,13 @@ class BlockManager:
         end = (seq.num_cached_tokens + num_new_tokens) // self.block_size
         if start == end:
             return
-        parent = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
-        h = parent
+        hashes = self._block_hashes(seq, end)
+        parent = hashes[start - 1] if start > 0 else NO_HASH
         stored_ids, stored_hashes = [], []
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
-            token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, h)
-            block.update(h, token_ids)
+            h = hashes[i]
+            block.update(h, seq.block(i))
             # The first block to compute a prefix owns the cache entry; a twin computed in the same
             # step (identical prompts admitted together) keeps its hash for chaining but stays private.
             if self.hash_to_block_id.setdefault(h, block.block_id) == block.block_id:

@@ -33,6 +33,8 @@ class Config:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int = 4096
+    # Beyond this many waiting requests a new one is refused (``QueueFullError``); None: unbounded.
+    max_waiting_requests: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -54,6 +56,8 @@ class Config:
                  "must be at least 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be at least 1")
         _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, "must be at least 1")
+        _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests",
+                 self.max_waiting_requests, "must be None (unbounded) or at least 1")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  self.gpu_memory_utilization, "must be in (0, 1]")
         _require(1 <= self.tensor_parallel_size <= 8, "tensor_parallel_size", self.tensor_parallel_size,

@@ -1,8 +1,10 @@
 """The event schema and the bus every engine decision is published on.
 
-Each event is a frozen, slotted dataclass with a ``kind`` string, ``t`` (``time.perf_counter()``
-seconds) and ``step`` (the engine step it belongs to), and is JSON-serialisable through
-``dataclasses.asdict``. Sequences are tuples so events stay immutable.
+Each event is a frozen, slotted dataclass with ``t`` (``time.perf_counter()`` seconds) and ``step``
+(the engine step it belongs to), registered under its ``kind`` string by ``@_event("kind")``, the
+one place that names it. Fields are JSON-serialisable; sequences are tuples so events stay
+immutable. Consumers dispatch on the class (``type(event)``); the kind string names an event in
+recordings and on the wire.
 
 Emission is on the engine's hot path, so producers check ``bus.active`` before building anything;
 with no subscriber nothing is constructed. Consumers that do real work (HTTP, OTel, the recorder)
@@ -16,26 +18,40 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar, TypeVar
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# Version 2: every kind named once (a class attribute, not a field); ``step`` has ``launch_s``/``wait_s``
+# (were ``forward_s``/``sample_s``) and the post-step queue and pool counts; ``request_finished`` has
+# ``last_token`` (``last_scheduled`` is gone); ``request_rejected`` has a reason ``code``.
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
+    kind: ClassVar[str]
     t: float
     step: int
 
 
-def _kind(name: str) -> Any:
-    # A real field (so asdict/JSON carry it) that callers never pass.
-    return field(default=name, init=False)
+EVENT_TYPES: dict[str, type[Event]] = {}
+
+_E = TypeVar("_E", bound=Event)
 
 
-@dataclass(frozen=True, slots=True)
+def _event(kind: str) -> Callable[[type[_E]], type[_E]]:
+    """Make ``cls`` an event dataclass known as ``kind``."""
+    def register(cls: type[_E]) -> type[_E]:
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.kind = kind
+        EVENT_TYPES[kind] = cls
+        return cls
+    return register
+
+
+@_event("engine_started")
 class EngineStarted(Event):
     model: str
     device: str
@@ -51,27 +67,29 @@ class EngineStarted(Event):
     tensor_parallel_size: int
     # Wall-clock time (seconds since the epoch) taken together with ``t``: epoch = wall_time + (x - t).
     wall_time: float
-    kind: str = _kind("engine_started")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("request_arrived")
 class RequestArrived(Event):
     request_id: int
     prompt_tokens: int
     max_tokens: int
     temperature: float
     arrival: float
-    kind: str = _kind("request_arrived")
 
 
-@dataclass(frozen=True, slots=True)
+# "invalid": the request can never be served as given; "queue_full": the waiting queue is at its limit.
+REJECTION_CODES = ("invalid", "queue_full")
+
+
+@_event("request_rejected")
 class RequestRejected(Event):
     request_id: int
-    reason: str
-    kind: str = _kind("request_rejected")
+    reason: str  # what is wrong and how to fix it
+    code: str  # one of REJECTION_CODES
 
 
-@dataclass(frozen=True, slots=True)
+@_event("prefix_hit")
 class PrefixHit(Event):
     """One per admission from waiting, misses included (``hit_tokens == 0``)."""
 
@@ -79,10 +97,9 @@ class PrefixHit(Event):
     query_tokens: int
     hit_tokens: int
     hit_block_ids: tuple[int, ...]
-    kind: str = _kind("prefix_hit")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("block_alloc")
 class BlockAlloc(Event):
     """Blocks whose refcount rose for a request, with the new refcounts.
 
@@ -92,10 +109,9 @@ class BlockAlloc(Event):
     request_id: int
     block_ids: tuple[int, ...]
     refcounts: tuple[int, ...]
-    kind: str = _kind("block_alloc")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("block_stored")
 class BlockStored(Event):
     """Blocks that became full, were hashed and entered the prefix cache (vLLM ``BlockStored``).
 
@@ -105,29 +121,26 @@ class BlockStored(Event):
     block_ids: tuple[int, ...]
     hashes: tuple[int, ...]
     parent_hash: int
-    kind: str = _kind("block_stored")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("block_evict")
 class BlockEvict(Event):
     """A cached free block was reused for new data and its hash dropped (vLLM ``BlockRemoved``)."""
 
     block_id: int
     hash: int
-    kind: str = _kind("block_evict")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("block_free")
 class BlockFree(Event):
     """Blocks whose refcount dropped when a request released them; refcount 0 means back in the pool."""
 
     request_id: int
     block_ids: tuple[int, ...]
     refcounts: tuple[int, ...]
-    kind: str = _kind("block_free")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("schedule")
 class Schedule(Event):
     phase: str  # "prefill" or "decode"
     request_ids: tuple[int, ...]
@@ -137,67 +150,66 @@ class Schedule(Event):
     waiting: int
     running: int
     free_blocks: int
-    kind: str = _kind("schedule")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("preempt")
 class Preempt(Event):
     request_id: int
     num_tokens: int
     freed_blocks: int
     # The request whose decode needed a block; equal to request_id when a request gave way to itself.
     for_request_id: int
-    kind: str = _kind("preempt")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("step")
 class Step(Event):
     phase: str
     num_seqs: int
     num_prefill_tokens: int
     num_decode_tokens: int
     duration_s: float
-    # Host-time breakdown of duration_s.
+    # Host-time breakdown of duration_s: scheduling, building the inputs, launching the model and the
+    # sampler (on a GPU this returns before they run), blocked waiting for the sampled tokens, and
+    # applying them.
     schedule_s: float
     prepare_s: float
-    forward_s: float
-    sample_s: float
+    launch_s: float
+    wait_s: float
     postprocess_s: float
     padded_batch_size: int | None  # None when the step ran eagerly
-    kind: str = _kind("step")
+    # The scheduler after this step's results were applied (vLLM's SchedulerStats, once per step).
+    waiting: int
+    running: int
+    free_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
+@_event("tokens")
 class Tokens(Event):
     """The tokens a step produced (tokens sampled for mid-prompt chunks are discarded, not listed)."""
 
     request_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
-    kind: str = _kind("tokens")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("cudagraph_capture")
 class CudaGraphCapture(Event):
     batch_sizes: tuple[int, ...]
     seconds: float
     pool_bytes: int
-    kind: str = _kind("cudagraph_capture")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("cudagraph_replay")
 class CudaGraphReplay(Event):
     batch_size: int
     padded_batch_size: int
-    kind: str = _kind("cudagraph_replay")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("first_token")
 class FirstToken(Event):
     request_id: int
-    kind: str = _kind("first_token")
 
 
-@dataclass(frozen=True, slots=True)
+@_event("request_finished")
 class RequestFinished(Event):
     request_id: int
     reason: str  # "stop", "length", "abort" or "error"
@@ -207,45 +219,39 @@ class RequestFinished(Event):
     num_preemptions: int
     arrival: float
     first_scheduled: float | None  # None when it never left the waiting queue
-    last_scheduled: float | None  # most recent admission from waiting (after a preemption, the re-admission)
     first_token: float | None
+    last_token: float | None  # None when it produced no token
     finished: float
-    kind: str = _kind("request_finished")
 
 
-EVENT_TYPES: dict[str, type[Event]] = {
-    cls.__dataclass_fields__["kind"].default: cls  # type: ignore[attr-defined]
-    for cls in (
-        EngineStarted,
-        RequestArrived,
-        RequestRejected,
-        PrefixHit,
-        BlockAlloc,
-        BlockStored,
-        BlockEvict,
-        BlockFree,
-        Schedule,
-        Preempt,
-        Step,
-        Tokens,
-        CudaGraphCapture,
-        CudaGraphReplay,
-        FirstToken,
-        RequestFinished,
-    )
-}
+
+
+_field_names: dict[type[Event], tuple[str, ...]] = {}
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """The event's kind and fields, its recorded form: like ``dataclasses.asdict`` (tuples stay
+    tuples, JSON writes them as lists), without its deep copy."""
+    cls = type(event)
+    names = _field_names.get(cls)
+    if names is None:
+        names = _field_names[cls] = tuple(f.name for f in fields(cls))
+    return {"kind": event.kind, **{name: getattr(event, name) for name in names}}
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    """Rebuild an event from its ``asdict`` form (lists back to tuples); unknown keys are ignored."""
-    cls = EVENT_TYPES[data["kind"]]
-    kwargs = {}
-    for f in fields(cls):
-        if not f.init:
-            continue
-        value = data[f.name]
-        kwargs[f.name] = tuple(value) if isinstance(value, list) else value
-    return cls(**kwargs)
+    """Rebuild an event from its recorded form (lists back to tuples); unknown keys are ignored.
+
+    Raises ``ValueError`` naming an unknown kind or the fields the record lacks."""
+    kind = data.get("kind")
+    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    names = [f.name for f in fields(cls)]
+    missing = [name for name in names if name not in data]
+    if missing:
+        raise ValueError(f"event {kind!r} lacks field(s) {missing}")
+    return cls(**{name: tuple(v) if isinstance(v := data[name], list) else v for name in names})
 
 
 Subscriber = Callable[[Event], None]

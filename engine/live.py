@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from engine.events import Event, RequestFinished, Tokens
 from engine.llm_engine import LLMEngine, Prompt
@@ -161,16 +162,22 @@ class LiveEngine:
     # --- the loop thread ----------------------------------------------------------------------
 
     def _on_event(self, event: Event) -> None:
-        if type(event) is Tokens:
-            for request_id, token_id in zip(event.request_ids, event.token_ids):
-                handle = self._handles.get(request_id)
-                if handle is not None:
-                    handle._token(token_id)
-        elif type(event) is RequestFinished and event.reason != "error":
-            # A request failed by an engine error keeps its handle until the loop reports the error.
-            handle = self._handles.pop(event.request_id, None)
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def _on_tokens(self, e: Tokens) -> None:
+        for request_id, token_id in zip(e.request_ids, e.token_ids):
+            handle = self._handles.get(request_id)
             if handle is not None:
-                handle._finish(event.reason)
+                handle._token(token_id)
+
+    def _on_finished(self, e: RequestFinished) -> None:
+        # A request failed by an engine error keeps its handle until the loop reports the error.
+        if e.reason != "error":
+            handle = self._handles.pop(e.request_id, None)
+            if handle is not None:
+                handle._finish(e.reason)
 
     def _peek_arrival(self) -> tuple[float, Request] | None:
         if self._next_request is None:
@@ -256,6 +263,12 @@ class LiveEngine:
         for handle in list(self._handles.values()):
             handle._finish("abort" if error is None else "error", error)
         self._handles.clear()
+
+
+_HANDLERS: dict[type[Event], Callable[[LiveEngine, Any], None]] = {
+    Tokens: LiveEngine._on_tokens,
+    RequestFinished: LiveEngine._on_finished,
+}
 
 
 def run_virtual(llm: LLMEngine, workload: Iterable[Request], max_steps: int, seconds_per_step: float = 0.05) -> int:

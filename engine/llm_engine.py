@@ -10,9 +10,14 @@ reach step n+1's inputs on the GPU. Every decision along the way is published on
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections import deque
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
+from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -25,8 +30,12 @@ from engine.scheduler import RequestRejectedError, ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.tensor_parallel import TensorParallelGroup, check_parallel_config
 from models.config import load_qwen3_config
+from models.tokenizer import load_tokenizer
 
-Prompt = str | list[int]
+logger = logging.getLogger(__name__)
+
+# A string, or token ids: a list, a tuple or a 1-D integer numpy array.
+Prompt = str | SequenceOf[int] | np.ndarray
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
 
@@ -56,7 +65,7 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.events = EventBus()
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model)
         # Rank 0's runner either way; with tensor parallelism the group also drives the other ranks.
         self.tp_group: TensorParallelGroup | None = None
         if config.tensor_parallel_size > 1:
@@ -66,7 +75,6 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, model_config, events=self.events)
         try:
             self.scheduler = Scheduler(config, self.events)
-            self._seqs: dict[int, Sequence] = {}
             self._in_flight: _InFlight | None = None
             self._last_completion = 0.0
             self.events.announce(
@@ -104,12 +112,19 @@ class LLMEngine:
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, checked; raises ``RequestRejectedError`` naming what is wrong."""
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
+            ids = self.tokenizer.encode(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejectedError(
+                    f"the tokenizer gave token id(s) {bad[:5]} outside the model's vocabulary [0, {vocab}): "
+                    "the tokenizer does not match the model (vocab_size in config.json)")
+            return ids
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
             raise RequestRejectedError(
                 f"a prompt must be a string or a list of token ids (ints), got {type(prompt).__name__}")
-        if not prompt:
+        if len(prompt) == 0:
             return []  # the scheduler's check names the problem
         # numpy checks and converts in C: 256 prompts of ~600 ids take ~5 ms rather than ~20 ms of
         # Python loops before the first step can launch.
@@ -117,50 +132,69 @@ class LLMEngine:
             ids = np.asarray(prompt)
         except (TypeError, ValueError, OverflowError):
             ids = None
-        if ids is None or ids.ndim != 1 or ids.dtype.kind not in "iu":
-            kinds = ", ".join(sorted({type(t).__name__ for t in prompt}))
-            raise RequestRejectedError(
-                f"a prompt must be a string or a list of token ids (ints), got a {type(prompt).__name__} of {kinds}")
-        vocab = self.model_config.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
+        if ids is not None and ids.ndim == 1 and ids.dtype.kind in "iu":
             bad = ids[(ids < 0) | (ids >= vocab)].tolist()
+            ids = ids.tolist()
+        else:
+            # Ints too large for numpy land here (as objects), and so does anything that is not an id.
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                kinds = ", ".join(sorted({type(t).__name__ for t in prompt}))
+                raise RequestRejectedError(
+                    f"a prompt must be a string or a list of token ids (ints), got a {type(prompt).__name__} of {kinds}")
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
             raise RequestRejectedError(
                 f"token id(s) {bad[:5]} are outside the vocabulary [0, {vocab}): check the tokenizer matches the model")
-        return ids.tolist()
+        return ids
+
+    @contextmanager
+    def _refusals(self, request_id: int) -> Iterator[None]:
+        """Publish a refusal raised in the block as ``request_rejected``, then let it propagate."""
+        try:
+            yield
+        except RequestRejectedError as exc:
+            if self.events.active:
+                self.events.emit(RequestRejected, request_id=request_id, reason=str(exc), code=exc.code)
+            raise
+
+    def _check(self, prompt: Prompt, sampling_params: object) -> list[int]:
+        """Everything about a request that can be checked before it is queued; its token ids."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise RequestRejectedError(
+                f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}: "
+                "build them with SamplingParams(temperature=..., max_tokens=...)")
+        token_ids = self._tokens(prompt)
+        self.scheduler.check(len(token_ids), sampling_params.max_tokens)
+        return token_ids
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> int:
-        """Queue a request and return its id; a request that can never be served raises
-        ``RequestRejectedError`` (a ``ValueError``) and leaves the engine as it was."""
-        sampling_params = sampling_params or SamplingParams()
+        """Queue a request and return its id. A request that can never be served, or one that finds
+        the waiting queue full, raises ``RequestRejectedError`` (a ``ValueError``; ``QueueFullError``
+        for the latter) and leaves the engine as it was."""
         request_id = next(Sequence.counter)
-        try:
-            token_ids = self._tokens(prompt)
-            self.scheduler.check(len(token_ids), sampling_params.max_tokens)
-        except RequestRejectedError as exc:
-            if self.events.active:
-                self.events.emit(RequestRejected, request_id=request_id, reason=str(exc))
-            raise
-        return self._queue(request_id, token_ids, sampling_params, arrival_time)
+        with self._refusals(request_id):
+            sampling_params = SamplingParams() if sampling_params is None else sampling_params
+            token_ids = self._check(prompt, sampling_params)
+            self.scheduler.check_capacity()
+        self._queue(request_id, token_ids, sampling_params, arrival_time)
+        return request_id
 
     def _queue(self, request_id: int, token_ids: list[int], sampling_params: SamplingParams,
-               arrival_time: float | None) -> int:
+               arrival_time: float | None) -> None:
         """Queue checked token ids."""
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size,
                        time.perf_counter() if arrival_time is None else arrival_time, seq_id=request_id)
+        self.scheduler.add(seq)
         if self.events.active:
             self.events.emit(RequestArrived, request_id=request_id, prompt_tokens=len(token_ids),
                              max_tokens=sampling_params.max_tokens, temperature=seq.temperature,
                              arrival=seq.arrival_time)
-        self.scheduler.add(seq)
-        self._seqs[request_id] = seq
-        return request_id
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a request wherever it is; False when it is unknown or already finished."""
-        seq = self.scheduler.abort(request_id)
-        self._seqs.pop(request_id, None)
-        return seq is not None
+        return self.scheduler.abort(request_id) is not None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix, so that a rerun of the same prompts computes them again (no
@@ -199,7 +233,7 @@ class LLMEngine:
         if batch:
             try:
                 launched = self._launch(batch)
-            except Exception:
+            except BaseException:
                 self._in_flight = previous  # still to be collected
                 raise
             # In flight before the previous step is collected: if collecting raises, this one is
@@ -214,10 +248,8 @@ class LLMEngine:
             return outputs, 0
         return outputs, sum(batch.num_tokens) if batch.is_prefill else -len(batch.seqs)
 
-    def _retire(self, finished: list[Sequence]) -> list[tuple[int, list[int]]]:
-        """Forget finished requests; their ``(request_id, token_ids)``."""
-        for seq in finished:
-            del self._seqs[seq.seq_id]
+    @staticmethod
+    def _retire(finished: list[Sequence]) -> list[tuple[int, list[int]]]:
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished]
 
     def drain(self) -> list[tuple[int, list[int]]]:
@@ -262,7 +294,8 @@ class LLMEngine:
 
     def _postprocess(self, step: _InFlight, token_ids: list[int]) -> list[Sequence]:
         t = time.perf_counter()
-        finished = self.scheduler.postprocess(step.batch, token_ids)
+        scheduler = self.scheduler
+        finished = scheduler.postprocess(step.batch, token_ids)
         end = time.perf_counter()
         if self.events.active:
             batch, launched = step.batch, step.launched
@@ -271,8 +304,10 @@ class LLMEngine:
                 num_prefill_tokens=sum(batch.num_tokens) if batch.is_prefill else 0,
                 num_decode_tokens=0 if batch.is_prefill else len(batch.seqs),
                 duration_s=end - max(step.start, self._last_completion), schedule_s=step.schedule_s,
-                prepare_s=launched.prepare_s, forward_s=launched.launch_s, sample_s=launched.wait_s,
-                postprocess_s=end - t, padded_batch_size=launched.padded_batch_size)
+                prepare_s=launched.prepare_s, launch_s=launched.launch_s, wait_s=launched.wait_s,
+                postprocess_s=end - t, padded_batch_size=launched.padded_batch_size,
+                waiting=len(scheduler.waiting), running=len(scheduler.running),
+                free_blocks=scheduler.block_manager.num_free_blocks)
         self._last_completion = end
         return finished
 
@@ -281,13 +316,20 @@ class LLMEngine:
         # which the group reports on every later call): fail these requests and free their blocks.
         for seq in batch.seqs:
             self.scheduler.fail(seq)
-            self._seqs.pop(seq.seq_id, None)
 
-    def generate(self, prompts: SequenceOf[Prompt], sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | SequenceOf[Prompt],
+                 sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Run prompts to completion; results in prompt order as ``{"text", "token_ids"}``.
+        """Run prompts to completion; results in prompt order as ``{"text", "token_ids"}``. A single
+        string or list of token ids is one prompt, as in vLLM.
 
-        Every prompt is checked before any is queued, so a bad one raises without side effects."""
+        Every prompt is checked before any is queued, so a bad one raises (and emits
+        ``request_rejected``) without side effects. Beyond ``max_waiting_requests`` prompts wait
+        here and join the queue as it drains. Interrupted (Ctrl-C) or failed, it aborts what it
+        started and leaves the engine idle."""
+        if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], Integral)):
+            prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -295,22 +337,21 @@ class LLMEngine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+        request_ids = [next(Sequence.counter) for _ in prompts]
         token_lists = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        for i, (request_id, prompt, sp) in enumerate(zip(request_ids, prompts, params)):
             try:
-                token_ids = self._tokens(prompt)  # tokenised and checked once, here
-                self.scheduler.check(len(token_ids), sp.max_tokens)
+                with self._refusals(request_id):
+                    token_lists.append(self._check(prompt, sp))  # tokenised and checked once, here
             except RequestRejectedError as exc:
-                raise RequestRejectedError(f"prompt {i}: {exc}") from None
-            token_lists.append(token_ids)
-        with self.events.held():  # the arrivals publish with the first step, not one by one
-            request_ids = [self._queue(next(Sequence.counter), token_ids, sp, None)
-                           for token_ids, sp in zip(token_lists, params)]
+                raise type(exc)(f"prompt {i}: {exc}") from None
+        unqueued = deque(zip(request_ids, token_lists, params))
         results: dict[int, dict] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
             while len(results) < len(request_ids):
+                self._queue_until_full(unqueued)
                 t = time.perf_counter()
                 outputs, num_tokens = self.step()
                 dt = max(time.perf_counter() - t, 1e-9)
@@ -325,21 +366,31 @@ class LLMEngine:
                     results[request_id] = {"text": self.tokenizer.decode(token_ids), "token_ids": token_ids}
                     bar.update(1)
         except BaseException:
-            # Ctrl-C or an engine error: leave no half-finished request holding KV blocks.
-            for request_id in request_ids:
-                if request_id not in results:
-                    self.abort_request(request_id)
+            self._abandon([r for r in request_ids if r not in results])
             raise
         finally:
             bar.close()
         return [results[r] for r in request_ids]
 
+    def _queue_until_full(self, unqueued: deque[tuple[int, list[int], SamplingParams]]) -> None:
+        """Move checked requests into the waiting queue while it has room."""
+        limit = self.config.max_waiting_requests
+        room = len(unqueued) if limit is None else limit - len(self.scheduler.waiting)
+        with self.events.held():  # the arrivals publish with the next step, not one by one
+            for _ in range(min(room, len(unqueued))):
+                request_id, token_ids, sp = unqueued.popleft()
+                self._queue(request_id, token_ids, sp, None)
+
+    def _abandon(self, request_ids: list[int]) -> None:
+        """After an interrupt or an engine error: abort ``request_ids`` (freeing their blocks) and
+        land the step in flight, so that the engine is idle and serves the next call."""
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        try:
+            self.drain()
+        except Exception:  # the error that brought us here is already on its way to the caller
+            logger.exception("collecting the step in flight failed while abandoning requests")
+
 
 class LLM(LLMEngine):
     """``LLM(model_dir, **config)``: see ``engine.config.Config`` for the options."""
-
-
-def _load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model, use_fast=True)

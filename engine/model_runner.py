@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 from engine.config import Config
 from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
-from engine.sequence import PLACEHOLDER, Sequence
+from engine.sequence import Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
-from models.context import Context, get_context, reset_context, set_context
+from models.context import Context, reset_context, set_context
 from models.loader import build_model, load_model
 from models.sampler import Sampler
 

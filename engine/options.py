@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--max-num-seqs", type=int, default=512, help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=16384, help="token budget of one step (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default: %(default)s)")
+    g.add_argument("--max-waiting-requests", type=_count_or_none, default=None, metavar="N",
+                   help="refuse new requests while N wait (queue_full); 'none' for no limit (default: %(default)s)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks to shard the model over: GPUs on CUDA, processes on the CPU (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -35,6 +37,18 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
                    help="read each step's tokens before scheduling the next (no host/GPU overlap)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     parser.set_defaults(**defaults)
+
+
+def _count_or_none(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or 'none', got {text!r}")
+    return value
 
 
 def add_workload_args(parser: argparse.ArgumentParser, workload: str = "mixed", rate: float | None = None,
@@ -63,6 +77,7 @@ def build_llm(args: argparse.Namespace):
     return LLM(str(model_dir(args)), device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
                num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               max_waiting_requests=args.max_waiting_requests,
                enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                enable_prefix_caching=not args.no_prefix_caching,
                tensor_parallel_size=args.tensor_parallel_size)
@@ -76,6 +91,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int):
 
 
 # What the dashboard and `python -m telemetry` run with unless told otherwise: a pool small enough
-# that prefix hits, chunked prefill, preemption and eviction all show within half a minute.
+# that prefix hits, chunked prefill, preemption and eviction all show within half a minute, and a
+# waiting queue that sheds load rather than grow without bound when arrivals outrun the engine.
 LIVE_DEFAULTS = dict(block_size=16, num_blocks=160, max_num_seqs=32, max_num_batched_tokens=256,
-                     max_model_len=2048)
+                     max_model_len=2048, max_waiting_requests=256)

@@ -28,7 +28,16 @@ from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 class RequestRejectedError(ValueError):
-    """A request that can never be served under this configuration; the engine keeps serving."""
+    """A request refused at admission; the engine keeps serving. ``code`` is the reason's short
+    name: ``invalid`` (it can never be served as given) or ``queue_full``."""
+
+    code = "invalid"
+
+
+class QueueFullError(RequestRejectedError):
+    """The waiting queue is at ``max_waiting_requests``: the request may be sent again later."""
+
+    code = "queue_full"
 
 
 @dataclass(slots=True)
@@ -52,6 +61,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.max_waiting_requests = config.max_waiting_requests
         self.eos = config.eos
         self.events = events or EventBus()
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
@@ -83,8 +93,17 @@ class Scheduler:
                 f"{max_tokens} generated, block size {bm.block_size}) but the whole pool has "
                 f"{bm.num_blocks}: lower max_tokens, shorten the prompt or give the cache more blocks")
 
+    def check_capacity(self) -> None:
+        """Refuse a new request while the waiting queue is full (an overloaded server sheds load at
+        the door rather than queueing without bound)."""
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"the waiting queue is full ({len(self.waiting)} requests, max_waiting_requests="
+                f"{self.max_waiting_requests}): retry later, or raise max_waiting_requests")
+
     def add(self, seq: Sequence) -> None:
         self.check(seq.num_prompt_tokens, seq.max_tokens)
+        self.check_capacity()
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
@@ -101,19 +120,18 @@ class Scheduler:
             if continuing:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
             else:
-                num_cached_blocks = bm.can_allocate(seq)
-                if num_cached_blocks == -1:
+                hit_block_ids = bm.cached_prefix(seq)
+                if not bm.can_allocate(seq, hit_block_ids):
                     break
-                num_tokens = seq.num_tokens - num_cached_blocks * bm.block_size
+                num_tokens = seq.num_tokens - len(hit_block_ids) * bm.block_size
             # Only the first request of a step may be cut short: later ones wait for a whole budget.
             if budget < num_tokens and scheduled:
                 break
             if not continuing:
-                bm.allocate(seq, num_cached_blocks)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
-                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
-                seq.last_scheduled_time = now
+                    seq.num_prompt_cached_tokens = len(hit_block_ids) * bm.block_size
+                bm.allocate(seq, hit_block_ids)
             seq.num_scheduled_tokens = min(num_tokens, budget)
             seq.is_prefill = True
             budget -= seq.num_scheduled_tokens
@@ -129,25 +147,20 @@ class Scheduler:
             self._emit_schedule("prefill", scheduled, chunked)
             return ScheduledBatch(scheduled, True, [seq.num_scheduled_tokens for seq in scheduled])
 
-        kept: list[Sequence] = []  # in their running order: scheduled ones and those awaiting their last token
-        while self.running:
-            seq = self.running.popleft()
-            if self._last_token_in_flight(seq):
-                kept.append(seq)
-                continue
+        # Every request stays in ``running`` or ``waiting`` throughout (an exception raised here, even
+        # a KeyboardInterrupt from a subscriber, leaves no request holding blocks outside both).
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or self._last_token_in_flight(seq):
+                continue  # preempted for an earlier request, or its last token is in flight
+            # Victims are the youngest requests after ``seq``, and ``seq`` itself when none is left.
             while not bm.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop(), for_seq=seq)
-                else:
-                    self.preempt(seq, for_seq=seq)
+                if self._preempt_youngest(for_seq=seq) is seq:
                     break
             else:
                 seq.num_scheduled_tokens = 1
                 seq.is_prefill = False
                 bm.may_append(seq)
                 scheduled.append(seq)
-                kept.append(seq)
-        self.running.extendleft(reversed(kept))
         if scheduled:
             self._emit_schedule("decode", scheduled, [False] * len(scheduled))
         return ScheduledBatch(scheduled, False, [1] * len(scheduled))
@@ -164,16 +177,19 @@ class Scheduler:
                              waiting=len(self.waiting), running=len(self.running),
                              free_blocks=self.block_manager.num_free_blocks)
 
-    def preempt(self, seq: Sequence, for_seq: Sequence) -> None:
-        """Evict ``seq`` for recompute: free its blocks and put it at the front of the queue."""
+    def _preempt_youngest(self, for_seq: Sequence) -> Sequence:
+        """Evict the youngest running request for recompute: free its blocks and put it at the front
+        of the queue. Returns it."""
+        seq = self.running.pop()
+        self.waiting.appendleft(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         freed = self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
         if self.events.active:
             self.events.emit(Preempt, request_id=seq.seq_id, num_tokens=seq.num_tokens, freed_blocks=freed,
                              for_request_id=for_seq.seq_id)
+        return seq
 
     def expect_tokens(self, batch: ScheduledBatch) -> None:
         """The batch is launched: a prefill's computed tokens count as cached and its full blocks
@@ -211,6 +227,7 @@ class Scheduler:
             if index < 0:
                 continue
             seq.set_token(index, token_id)
+            seq.last_token_time = now
             produced_ids.append(seq.seq_id)
             produced_tokens.append(token_id)
             if seq.first_token_time is None:
@@ -230,8 +247,7 @@ class Scheduler:
         if self.events.active and produced_ids:
             self.events.emit(Tokens, request_ids=tuple(produced_ids), token_ids=tuple(produced_tokens))
         for seq in finished:
-            (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
-            self._finish(seq, seq.finish_reason, now)
+            self._finish(seq, seq.finish_reason, now, self.running if seq.status is SequenceStatus.RUNNING else self.waiting)
         return finished
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
@@ -239,8 +255,7 @@ class Scheduler:
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.seq_id == seq_id:
-                    queue.remove(seq)
-                    self._finish(seq, reason, time.perf_counter())
+                    self._finish(seq, reason, time.perf_counter(), queue)
                     return seq
         return None
 
@@ -250,11 +265,12 @@ class Scheduler:
         self.block_manager.uncache(seq)
         return self.abort(seq.seq_id, reason="error")
 
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+    def _finish(self, seq: Sequence, reason: str, now: float, queue: deque[Sequence]) -> None:
+        """Take ``seq`` out of ``queue`` and release its blocks; the events follow the state change."""
+        queue.remove(seq)
         seq.truncate(seq.num_known_tokens)  # an aborted request drops the tokens still in flight
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.finished_time = now
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
         if self.events.active:
@@ -262,5 +278,4 @@ class Scheduler:
                              prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prompt_cached_tokens,
                              output_tokens=seq.num_completion_tokens, num_preemptions=seq.num_preemptions,
                              arrival=seq.arrival_time, first_scheduled=seq.first_scheduled_time,
-                             last_scheduled=seq.last_scheduled_time, first_token=seq.first_token_time,
-                             finished=now)
+                             first_token=seq.first_token_time, last_token=seq.last_token_time, finished=now)

@@ -32,10 +32,10 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
-        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "block_size",
+        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "block_hashes", "block_size",
         "temperature", "max_tokens", "ignore_eos",
-        "arrival_time", "first_scheduled_time", "last_scheduled_time", "first_token_time",
-        "finished_time", "num_preemptions", "num_prompt_cached_tokens", "finish_reason",
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
+        "num_preemptions", "num_prompt_cached_tokens", "finish_reason",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
@@ -50,15 +50,17 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.is_prefill = True
         self.block_table: list[int] = []
+        # The chained hash of each full block of known tokens, computed once (vLLM's
+        # ``request.block_hashes``): admission attempts and re-admissions look them up, never rehash.
+        self.block_hashes: list[int] = []
         self.block_size = block_size
         self.temperature = float(sampling_params.temperature)
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
-        self.last_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.finished_time: float | None = None
+        self.last_token_time: float | None = None
         self.num_preemptions = 0
         # Prompt tokens served by the prefix cache at the first admission (vLLM's cached_tokens).
         self.num_prompt_cached_tokens = 0
@@ -80,24 +82,12 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]

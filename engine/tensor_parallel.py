@@ -7,6 +7,11 @@ CPU) keep the ranks in step.
 
 - Rendezvous: rank 0 hosts a ``TCPStore`` on 127.0.0.1 at port 0, so the OS picks a free port; no
   fixed name or port, and two engines can share a host. Shutdown releases the store with the group.
+- Loopback only: every rank runs on this host, so no socket of the group listens beyond it. The
+  store's own listener would bind every interface, so rank 0 binds one to 127.0.0.1 and hands it
+  over; gloo binds the interface ``GLOO_SOCKET_IFNAME`` names (else the address the host name
+  resolves to), so it is set to Linux's loopback ``lo`` while the group is created. NCCL talks
+  between GPUs of this host and is left as it is.
 - Call path: rank 0 pickles ``(function, args)`` once, writes the bytes to one anonymous pipe per
   worker, then runs the function itself. Pipes rather than ``broadcast_object_list`` over a second
   gloo group: they carry messages of any size, a write to a dead worker fails at once instead of
@@ -41,6 +46,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -71,6 +77,8 @@ _FAILURE_GRACE_S = 2.0
 _JOIN_TIMEOUT_S = 10.0
 _READY = "ready"
 _EXIT = pickle.dumps(None)
+_LOOPBACK = "127.0.0.1"
+_LOOPBACK_INTERFACE = "lo"  # Linux's
 
 
 class WorkerError(RuntimeError):
@@ -108,13 +116,38 @@ def _rank_device(config: Config, rank: int) -> torch.device:
 
 def _init_process_group(device: torch.device, rank: int, world_size: int, store: dist.Store) -> None:
     if device.type != "cuda":
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        with _gloo_on_loopback():
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         return
     # Rank 0 notices dead workers itself and aborts the communicators (see _Workers._fail); torch's
     # NCCL watchdog would otherwise be free to tear the engine process down.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, device_id=device)
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback() -> Iterator[None]:
+    """Gloo reads ``GLOO_SOCKET_IFNAME`` when it creates a group's device (its listening socket); a
+    value the user set for other work is restored afterwards."""
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = _LOOPBACK_INTERFACE
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = previous
+
+
+def _loopback_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's ``TCPStore`` on a free port of 127.0.0.1. Given only a port, the store listens on
+    every interface, whatever host name it is given; given a listening socket, it serves that one."""
+    listener = socket.create_server((_LOOPBACK, 0))
+    # The store adopts the descriptor and closes it with itself: detached, Python never closes it too.
+    return dist.TCPStore(_LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=_START_TIMEOUT, master_listen_fd=listener.detach())
 
 
 class TensorParallelGroup:
@@ -207,8 +240,7 @@ class _Workers:
 
     def start(self, config: Config, model_config: Qwen3Config) -> dist.TCPStore:
         """Spawn ranks 1..N-1 and wait until each has started; returns rank 0's store."""
-        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
-                                   timeout=_START_TIMEOUT)
+        self.store = _loopback_store(self.world_size)
         ctx = get_context("spawn")
         for rank in range(1, self.world_size):
             command_reader, command_writer = ctx.Pipe(duplex=False)
@@ -410,7 +442,7 @@ def _worker_main(rank: int, world_size: int, port: int, config: Config, model_co
             # The ranks compute at the same time on one machine's cores: share them rather than have
             # every rank's thread pool claim them all (oversubscribed pools spin and crawl).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_START_TIMEOUT)
+        store = dist.TCPStore(_LOOPBACK, port, world_size, is_master=False, timeout=_START_TIMEOUT)
         _init_process_group(device, rank, world_size, store)
         runner = ModelRunner(config, model_config, rank=rank)
         while (message := pickle.loads(commands.recv_bytes())) is not None:

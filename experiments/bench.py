@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from engine.events import Step  # noqa: E402
 from engine.options import add_engine_args, build_llm, model_dir  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.workloads import bench as bench_workload  # noqa: E402
@@ -112,7 +113,7 @@ def decode_by_batch(timeline: list[tuple], step_reads: list[tuple[int, int]], ba
     return rows
 
 
-_STEP_PARTS = ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "duration_s")
+_STEP_PARTS = ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")
 
 
 def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telemetry: bool,
@@ -128,7 +129,7 @@ def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telem
         consumers = [PrometheusExporter(Path(llm.config.model).name, port=0), EventRecorder(record)]
         for consumer in consumers:
             consumer.attach(llm.events)
-        unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if type(e) is Step else None)
     llm.reset_prefix_cache()  # every run computes every prompt, as the first one does
     if llm.model_runner.device.type == "cuda":
         torch.cuda.synchronize()

@@ -19,6 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python experiments/chunked_prefill.py` from a plain checkout
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from engine.events import PrefixHit, Tokens  # noqa: E402
 from experiments import common  # noqa: E402
 
 LAB = "chunked_prefill"
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
         queue = common.RunningQueue()
         for e in rec.events:
-            if e.kind == "prefix_hit" and rec.tags[e.request_id] == "long":
+            if type(e) is PrefixHit and rec.tags[e.request_id] == "long":
                 running = list(queue.order)  # the requests already decoding when the long prompt was admitted
                 break
             queue.apply(e)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         first, last = long.chunk_steps[0], long.chunk_steps[-1]
         rows = {r["request_id"]: r for r in common.request_rows(rec)}
         steps = {r["step"]: r for r in common.step_rows(rec)}
-        tokens_to_running = sum(rid in running for e in rec.events if e.kind == "tokens" and first <= e.step <= last
+        tokens_to_running = sum(rid in running for e in rec.events if type(e) is Tokens and first <= e.step <= last
                                 for rid in e.request_ids)
         expected = math.ceil((long.query_tokens - long.hit_tokens) / limit)
         chunks_ok.append(len(long.chunk_steps) == expected
@@ -88,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     fig, axes = common.new_figure(1, 2, f"chunked prefill of a {long_len}-token prompt")
     for rec, row in zip(recordings, table):
         long_id = next(rid for rid, tag in rec.tags.items() if tag == "long")
-        start = next(e.step for e in rec.events if e.kind == "prefix_hit" and e.request_id == long_id)
+        start = next(e.step for e in rec.events if type(e) is PrefixHit and e.request_id == long_id)
         steps = common.step_rows(rec)
         axes[0][0].step([s["step"] - start for s in steps], [s["prefill_tokens"] + s["decode_tokens"] for s in steps],
                         where="mid", label=f"budget {row['budget']}")
         watched = next(rid for rid, tag in rec.tags.items() if tag == "running")
-        produced = [e.step - start for e in rec.events if e.kind == "tokens" and watched in e.request_ids]
+        produced = [e.step - start for e in rec.events if type(e) is Tokens and watched in e.request_ids]
         axes[0][1].step(produced, range(1, len(produced) + 1), where="post", marker=".", label=f"budget {row['budget']}")
     axes[0][0].set(title="tokens per step", xlabel="step (0 = long prompt admitted)", ylabel="tokens", yscale="log")
     axes[0][1].set(title="a running request's tokens: flat = stalled", xlabel="step (0 = long prompt admitted)",

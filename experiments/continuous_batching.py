@@ -19,6 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python experiments/continuous_batching.py` from a plain checkout
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from engine.events import RequestArrived, RequestFinished  # noqa: E402
 from experiments import common  # noqa: E402
 
 LAB = "continuous_batching"
@@ -54,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         steps = common.step_rows(rec)
         rows = common.request_rows(rec)
         start_step = steps[0]["step"] - 1
-        start_t = min(e.arrival for e in rec.events if e.kind == "request_arrived")
+        start_t = min(e.arrival for e in rec.events if type(e) is RequestArrived)
         decodes = [s["decode_tokens"] for s in steps if s["phase"] == "decode"]
         output_tokens = sum(r["output_tokens"] for r in rows)
         ttft = [r["first_token_step"] - start_step for r in rows]
         e2e = [r["finish_step"] - start_step for r in rows]
-        finished_t = [e.finished - start_t for e in rec.events if e.kind == "request_finished"]
+        finished_t = [e.finished - start_t for e in rec.events if type(e) is RequestFinished]
         decode_batches[arm] = decodes
         finish_steps[arm] = sorted(e2e)
         table.append({

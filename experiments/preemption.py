@@ -18,6 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python experiments/preemption.py` from a plain checkout
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from engine.events import Preempt, Schedule  # noqa: E402
 from experiments import common  # noqa: E402
 
 LAB = "preemption"
@@ -52,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     queue = common.RunningQueue()
     timeline, replay_agrees = [], True
     for e in rec.events:
-        if e.kind == "preempt":
+        if type(e) is Preempt:
             timeline.append({"step": e.step, "victim": rec.tags[e.request_id], "youngest": rec.tags[queue.order[-1]],
                              "for": rec.tags[e.for_request_id], "running": len(queue.order),
                              "victim_tokens": e.num_tokens, "freed_blocks": e.freed_blocks})
         queue.apply(e)
-        if e.kind == "schedule":
+        if type(e) is Schedule:
             replay_agrees &= len(queue.order) == e.running
     readmitted = [a for a in common.admissions(rec.events) if a.readmission]
     readmissions = [{"request": rec.tags[a.request_id], "step": a.step, "tokens_to_restore": a.query_tokens,

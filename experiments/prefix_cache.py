@@ -20,6 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python experiments/prefix_cache.py` from a plain checkout
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from engine.events import BlockStored  # noqa: E402
 from experiments import common  # noqa: E402
 
 LAB = "prefix_cache"
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat_hits = (sizes["repeat_len"] - 1) // bs
     (first,), (second,) = by_tag["repeat#1"], by_tag["repeat#2"]
     (twin_a,), (twin_b,), (later,) = by_tag["twin-a"], by_tag["twin-b"], by_tag["twin-later"]
-    stored_at = sorted({e.step for e in rec.events if e.kind == "block_stored" and e.request_id == twin_a.request_id})
+    stored_at = sorted({e.step for e in rec.events if type(e) is BlockStored and e.request_id == twin_a.request_id})
     sweep_expected = [min(s["shared_tokens"], s["prompt"] - 1) // bs for s in sweep]
     checks = [
         common.Check("every admission: prefill tokens saved == hit blocks x block size",

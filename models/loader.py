@@ -7,12 +7,13 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from models.config import Qwen3Config, load_qwen3_config
+from models.config import TRANSFORMERS_DEFAULTS, Qwen3Config, dtype_name, load_qwen3_config
 from models.errors import CheckpointError, missing_checkpoint_message
 from models.parallel import check_shape
 from models.qwen3 import Qwen3ForCausalLM
@@ -22,6 +23,9 @@ __all__ = ["CheckpointError", "build_model", "load_model", "load_pretrained", "l
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SHOWN = 8  # names listed in an error before "... and N more"
+# Stored dtypes (as safetensors names them) that the parameters take by a plain cast. Integer
+# tensors would be cast too, silently changing the model (quantised weights need their scales).
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -34,9 +38,13 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     path = Path(model_dir)
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map")
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{index_path}: not valid JSON ({exc}); fetch the file again") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path}: no weight_map")
+            raise CheckpointError(f"{index_path}: no weight_map (expected an object of tensor name -> shard file)")
         files = [path / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -54,8 +62,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 def load_model(model: nn.Module, model_dir: str | Path) -> None:
     """Copy every checkpoint tensor into ``model`` through its parameter's ``weight_loader``.
 
-    Raises ``CheckpointError`` naming the tensor(s) that are missing or unexpected (checked from the
-    file headers before any weight is read) or wrongly shaped (checked as each tensor is copied).
+    Raises ``CheckpointError`` naming the file that is unreadable, the tensor(s) that are missing,
+    unexpected or stored in a non-floating dtype, or the config.json field left out whose default the
+    tensors contradict (all checked from the file headers before any weight is read), or the tensor
+    that is wrongly shaped (checked as each tensor is copied).
     """
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
@@ -63,12 +73,15 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     files = checkpoint_files(model_dir)
 
     locations: dict[str, Path] = {}
+    headers: dict[str, tuple[str, list[int]]] = {}  # name -> (stored dtype, shape)
     for file in files:
-        with safe_open(file, framework="pt") as reader:
+        with _open(file) as reader:
             for name in reader.keys():
                 if name in locations:
                     raise CheckpointError(f"tensor {name!r} is stored twice ({locations[name].name}, {file.name})")
                 locations[name] = file
+                header = reader.get_slice(name)
+                headers[name] = header.get_dtype(), header.get_shape()
     expected = _expected_checkpoint_names(params, packed)
     missing = sorted(expected - locations.keys())
     if missing:
@@ -76,10 +89,20 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
     unexpected = sorted(locations.keys() - expected - aliases.keys())
     if unexpected:
         raise CheckpointError(f"checkpoint {model_dir} has unexpected tensor(s) {_listing(unexpected)}")
+    config = getattr(model, "config", None)
+    for name, (dtype, _) in headers.items():
+        if dtype not in _FLOAT_DTYPES:
+            wanted = f" (config.json says {dtype_name(config.torch_dtype)})" if isinstance(config, Qwen3Config) else ""
+            raise CheckpointError(
+                f"tensor {name!r} in {locations[name]} is stored as {dtype}; expected a floating dtype, one of "
+                f"{', '.join(_FLOAT_DTYPES)}{wanted}. Quantised or integer checkpoints are not supported: use the "
+                "model's unquantised safetensors")
+    if isinstance(config, Qwen3Config):
+        _check_defaulted_fields(config, headers, Path(model_dir) / "config.json")
     _check_stored_aliases(aliases, locations)
 
     for file in files:
-        with safe_open(file, framework="pt") as reader:
+        with _open(file) as reader:
             for name in reader.keys():
                 if name in aliases:
                     continue
@@ -91,6 +114,34 @@ def load_model(model: nn.Module, model_dir: str | Path) -> None:
                     weight_loader(param, reader.get_tensor(name), *args)
                 except ValueError as exc:
                     raise CheckpointError(f"tensor {name!r} in {file.name}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """``safe_open`` whose failure names the file: safetensors' own errors do not."""
+    try:
+        reader = safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc}); it may be truncated or "
+                              "corrupt: download or write it again") from None
+    with reader:
+        yield reader
+
+
+def _check_defaulted_fields(config: Qwen3Config, headers: dict[str, tuple[str, list[int]]], config_path: Path) -> None:
+    """A field config.json leaves out takes transformers' default, and a checkpoint made with another
+    value would fail on a tensor's shape without saying why: name the field instead."""
+    attn = "model.layers.0.self_attn."
+    head_dim = headers[attn + "q_norm.weight"][1][0]
+    implied = {"head_dim": (attn + "q_norm.weight", head_dim),
+               "num_key_value_heads": (attn + "k_proj.weight", headers[attn + "k_proj.weight"][1][0] // head_dim)}
+    for key in sorted(config.defaulted):
+        tensor, value = implied[key]
+        if value != getattr(config, key):
+            raise CheckpointError(
+                f"{config_path} has no {key}, so it is {TRANSFORMERS_DEFAULTS[key]} "
+                f"(transformers' default), but tensor {tensor!r} has shape {tuple(headers[tensor][1])}, which "
+                f"means {key}={value}: add \"{key}\": {value} to config.json")
 
 
 def _target(name: str, packed: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
@@ -139,7 +190,7 @@ def _check_stored_aliases(aliases: dict[str, str], locations: dict[str, Path]) -
     for alias, name in aliases.items():
         if alias not in locations:
             continue
-        with safe_open(locations[alias], framework="pt") as a, safe_open(locations[name], framework="pt") as b:
+        with _open(locations[alias]) as a, _open(locations[name]) as b:
             if not torch.equal(a.get_tensor(alias), b.get_tensor(name)):
                 raise CheckpointError(
                     f"tensor {alias!r} differs from {name!r} although config.json ties them "

@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer for random-weight checkpoints, trained offline on ``models.corpus``.
+"""Byte-level BPE tokenizer for random-weight checkpoints, trained offline on ``models.corpus``, and
+``load_tokenizer`` for any model directory.
 
 Ids ``[0, n_trained)`` come from training (the 256 byte symbols first, then merges); the special
 tokens sit at the ids the model config names; every other id below ``vocab_size`` is an inert
@@ -8,13 +9,64 @@ filler token, so any id a random model emits decodes to something.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.corpus import CORPUS
+from models.errors import CheckpointError, missing_checkpoint_message
 
 FILLER = "<|filler_{}|>"
+# The files a tokenizer loads from: tokenizers' own serialisation, or a BPE vocabulary and its merges.
+TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+_PROBE = "hello world"
+_MAKE_ONE = "python -m models.checkpoint --preset tiny --out DIR"
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """``transformers.AutoTokenizer`` (fast) for a model directory, or ``CheckpointError`` naming the
+    file that is missing or unreadable. transformers itself loads a directory without tokenizer files
+    as an empty tokenizer, which turns every prompt into no tokens at all."""
+    from transformers import AutoTokenizer  # heavy: imported when a tokenizer is wanted
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(missing_checkpoint_message(path, "does not exist"))
+    if not any(all((path / name).is_file() for name in files) for files in TOKENIZER_FILE_SETS):
+        wanted = " or ".join(" with ".join(files) for files in TOKENIZER_FILE_SETS)
+        raise CheckpointError(
+            f"model directory {str(path)!r} has no tokenizer: expected {wanted}, found only "
+            f"{sorted(p.name for p in path.iterdir())}. Copy the tokenizer files from the model's repository "
+            f"(a random-weight checkpoint made by {_MAKE_ONE} has them)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), use_fast=True)
+    except Exception as exc:  # transformers, tokenizers and json each raise their own kind
+        raise CheckpointError(_unloadable(path, exc)) from None
+    if not tokenizer.encode(_PROBE, add_special_tokens=False):
+        raise CheckpointError(f"{path}: the tokenizer turns {_PROBE!r} into no tokens (an empty vocabulary?); "
+                              "copy the tokenizer files from the model's repository again")
+    return tokenizer
+
+
+def _unloadable(path: Path, exc: Exception) -> str:
+    """Which file made transformers fail: its own message rarely names one."""
+    for name in _JSON_FILES:
+        file = path / name
+        if file.is_file():
+            try:
+                json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+                return f"{file}: not valid JSON ({bad}); copy it from the model's repository again"
+    file = path / "tokenizer.json"
+    if file.is_file():
+        try:
+            Tokenizer.from_file(str(file))
+        except Exception as bad:  # tokenizers raises a bare Exception
+            return (f"{file}: not a tokenizers file ({bad}); expected the tokenizer.json of a Hugging Face "
+                    "fast tokenizer: copy it from the model's repository again")
+    return f"{path}: transformers cannot load the tokenizer ({type(exc).__name__}: {exc})"
 
 
 def build_tokenizer(vocab_size: int, special_tokens: dict[int, str]) -> Tokenizer:

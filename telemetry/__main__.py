@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.events import Event
+from typing import Any, Callable
+
+from engine.events import EngineStarted, Event, Preempt, PrefixHit, RequestFinished, Step, Tokens
 from engine.live import LiveEngine
 from engine.options import LIVE_DEFAULTS, add_engine_args, add_workload_args, build_llm, build_workload, model_dir
 from telemetry.options import add_telemetry_args, open_consumers
@@ -39,23 +41,29 @@ class StatusCounter:
     finished: int = 0
 
     def __call__(self, event: Event) -> None:
-        kind = event.kind
-        if kind == "step":
-            self.prompt_tokens += event.num_prefill_tokens
-        elif kind == "tokens":
-            self.generation_tokens += len(event.token_ids)
-        elif kind == "schedule":
-            self.running, self.waiting, self.free_blocks = event.running, event.waiting, event.free_blocks
-        elif kind == "prefix_hit":
-            self.queried += event.query_tokens
-            self.hits += event.hit_tokens
-        elif kind == "preempt":
-            self.preemptions += 1
-        elif kind == "request_finished":
-            self.finished += 1
-        elif kind == "engine_started":
-            self.num_blocks = event.num_blocks
-            self.free_blocks = event.num_blocks
+        handler = _STATUS_HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def _on_step(self, e: Step) -> None:
+        self.prompt_tokens += e.num_prefill_tokens
+        self.running, self.waiting, self.free_blocks = e.running, e.waiting, e.free_blocks
+
+    def _on_tokens(self, e: Tokens) -> None:
+        self.generation_tokens += len(e.token_ids)
+
+    def _on_prefix_hit(self, e: PrefixHit) -> None:
+        self.queried += e.query_tokens
+        self.hits += e.hit_tokens
+
+    def _on_preempt(self, e: Preempt) -> None:
+        self.preemptions += 1
+
+    def _on_finished(self, e: RequestFinished) -> None:
+        self.finished += 1
+
+    def _on_engine_started(self, e: EngineStarted) -> None:
+        self.num_blocks = self.free_blocks = e.num_blocks
 
     def line(self, seconds: float) -> str:
         usage = 1 - self.free_blocks / self.num_blocks
@@ -69,6 +77,16 @@ class StatusCounter:
         return text
 
 
+_STATUS_HANDLERS: dict[type[Event], Callable[[StatusCounter, Any], None]] = {
+    Step: StatusCounter._on_step,
+    Tokens: StatusCounter._on_tokens,
+    PrefixHit: StatusCounter._on_prefix_hit,
+    Preempt: StatusCounter._on_preempt,
+    RequestFinished: StatusCounter._on_finished,
+    EngineStarted: StatusCounter._on_engine_started,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m telemetry", description=__doc__.split("\n\n")[0])
     add_engine_args(parser, **LIVE_DEFAULTS)
@@ -79,13 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("glassbox")
 
-    from engine.workloads import WORKLOADS
-
-    if args.workload not in WORKLOADS:  # argparse checks choices; kept for programmatic callers
-        parser.error(f"unknown workload {args.workload!r}")
     checkpoint = model_dir(args)
     try:
-        consumers = open_consumers(args, model_name=Path(checkpoint).name, meta={"workload": args.workload})
+        consumers = open_consumers(args, model_name=Path(checkpoint).name, meta={"workload": args.workload, "seed": args.seed})
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

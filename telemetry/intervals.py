@@ -28,12 +28,11 @@ class RequestIntervals:
     tpot: float | None
 
     @classmethod
-    def of(cls, done: RequestFinished, last_token: float | None = None) -> RequestIntervals:
-        """``last_token`` is the time of the request's last ``tokens`` event when known; an abort
-        after some tokens finishes later than its last token, and vLLM measures to the token."""
+    def of(cls, done: RequestFinished) -> RequestIntervals:
+        """Decode and inference end at the last token: an abort after some tokens finishes later
+        than its last token, and vLLM measures to the token."""
         scheduled = done.first_scheduled
-        first = done.first_token
-        last = last_token if last_token is not None else (done.finished if first is not None else None)
+        first, last = done.first_token, done.last_token
         decode = last - first if last is not None and first is not None else None
         tpot = None
         if decode is not None:

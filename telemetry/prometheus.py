@@ -8,14 +8,10 @@ its own ``CollectorRegistry`` per exporter so two exporters in one process never
 from __future__ import annotations
 
 import bisect
-import errno
 import math
-import socket
 import threading
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
-from typing import Any, Callable, Iterable, Iterator
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -23,9 +19,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from engine.events import (
-    BlockAlloc,
+    REJECTION_CODES,
     BlockEvict,
-    BlockFree,
     BlockStored,
     CudaGraphCapture,
     CudaGraphReplay,
@@ -42,9 +37,10 @@ from engine.events import (
     Tokens,
 )
 from telemetry.event_queue import DEFAULT_MAXSIZE, Consumer, queue_stats
+from telemetry.metrics_server import MetricsServer, PortInUseError  # noqa: F401  (re-exported: callers catch it here)
 from telemetry.intervals import RequestIntervals
 
-# Bucket boundaries exactly as vLLM's loggers.py (reference/observability.md §1.3).
+# Bucket boundaries exactly as vLLM's loggers.py (docs/architecture.md §5).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -61,7 +57,11 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # glassbox-only: engine steps take from well under a millisecond (tiny CPU models) to seconds.
 STEP_DURATION_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 PHASES = ("prefill", "decode")
-HOST_STAGES = ("schedule", "prepare", "forward", "sample", "postprocess")
+# The Step event's host-time breakdown: scheduling, building inputs, launching the GPU work, blocked
+# waiting for the sampled tokens, applying them.
+HOST_STAGES = ("schedule", "prepare", "launch", "wait", "postprocess")
+# vLLM's admission_rejections reasons (the engine refuses new requests when its waiting queue is full).
+ADMISSION_REJECTION_REASONS = ("queue_full",)
 
 LABELS = ("model_name", "engine")
 
@@ -78,49 +78,21 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
-class PortInUseError(OSError):
-    pass
-
-
 # Always the classic text format: prometheus_client 0.26 answers Prometheus's OpenMetrics Accept
 # header with sample names whose colons are escaped to underscores (vllm_num_requests_running),
 # which would break every vLLM query. Version 0.0.4 text keeps the names and every scraper reads it.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _metrics_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"only /metrics is served here\n"]
-        body = generate_latest(registry)
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
-        return [body]
-
-    return app
-
-
 @dataclass(slots=True)
 class _Request:
+    """What a request's later events need from its earlier ones."""
+
     arrival: float
     prompt_tokens: int
     max_tokens: int
-    running: bool = False
     cached_tokens: int | None = None  # prefix hit at first admission
-    last_token: float | None = None
+    last_token: float | None = None  # for the inter-token latency of the next one
 
 
 class _CountedHistogram(Collector):
@@ -196,80 +168,56 @@ class PrometheusExporter(Consumer):
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests: dict[int, _Request] = {}
-        self._running = 0
-        self._waiting = 0
-        self._free_blocks: int | None = None
         self._num_blocks: int | None = None
         self._config_metrics_ready = False
         self._create_metrics()
         self.registry.register(_QueueStatsCollector(model_name, engine))
-        self._server, self._server_thread = self._serve(host, port) if port is not None else (None, None)
+        self._server = self._serve(host, port) if port is not None else None
         super().__init__(queue_size)
-        # Handlers take their own event subclass; the kind string guarantees the match.
-        self._handlers: dict[str, Callable[[Any], None]] = {
-            "engine_started": self._on_engine_started,
-            "request_arrived": self._on_arrived,
-            "request_rejected": self._on_rejected,
-            "prefix_hit": self._on_prefix_hit,
-            "block_alloc": self._on_block_alloc,
-            "block_free": self._on_block_free,
-            "block_stored": self._on_block_stored,
-            "block_evict": self._on_block_evict,
-            "schedule": self._on_schedule,
-            "preempt": self._on_preempt,
-            "step": self._on_step,
-            "tokens": self._on_tokens,
-            "first_token": self._on_first_token,
-            "cudagraph_capture": self._on_capture,
-            "cudagraph_replay": self._on_replay,
-            "request_finished": self._on_finished,
+        self._handlers: dict[type[Event], Callable[[Any], None]] = {
+            EngineStarted: self._on_engine_started,
+            RequestArrived: self._on_arrived,
+            RequestRejected: self._on_rejected,
+            PrefixHit: self._on_prefix_hit,
+            BlockStored: self._on_block_stored,
+            BlockEvict: self._on_block_evict,
+            Schedule: self._on_schedule,
+            Preempt: self._on_preempt,
+            Step: self._on_step,
+            Tokens: self._on_tokens,
+            FirstToken: self._on_first_token,
+            CudaGraphCapture: self._on_capture,
+            CudaGraphReplay: self._on_replay,
+            RequestFinished: self._on_finished,
         }
 
     # -- public -------------------------------------------------------------------------------
 
     @property
     def port(self) -> int | None:
-        return self._server.server_port if self._server is not None else None
+        return self._server.port if self._server is not None else None
 
     @property
     def url(self) -> str | None:
-        if self._server is None:
-            return None
-        host = self._server.server_address[0]
-        host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}/metrics"
+        return self._server.url if self._server is not None else None
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()
 
     def handle(self, event: Event) -> None:
-        handler = self._handlers.get(event.kind)  # type: ignore[attr-defined]  # every subclass has kind
+        handler = self._handlers.get(type(event))
         if handler is not None:
             handler(event)
 
     def _shutdown(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            assert self._server_thread is not None
-            self._server_thread.join(5.0)
+            self._server.close()
             self._server = None
 
     # -- setup --------------------------------------------------------------------------------
 
-    def _serve(self, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
-        try:
-            server = make_server(host, port, _metrics_app(self.registry), _Server6 if ":" in host else _Server, _QuietHandler)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUseError(
-                    errno.EADDRINUSE, f"port {port} is in use; pass --metrics-port with a free port"
-                ) from exc
-            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
-        # A short poll keeps close() quick; serve_forever only polls for its shutdown flag.
-        thread = threading.Thread(target=server.serve_forever, args=(0.05,), name="glassbox-metrics-http", daemon=True)
-        thread.start()
-        return server, thread
+    def _serve(self, host: str, port: int) -> MetricsServer:
+        return MetricsServer(host, port, lambda: generate_latest(self.registry), CONTENT_TYPE)
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         return Counter(name, doc, [*LABELS, *extra], registry=self.registry)
@@ -333,8 +281,13 @@ class PrometheusExporter(Consumer):
             "vllm:request_num_preemptions", "Number of preemptions per finished request.", NUM_PREEMPTIONS_BUCKETS
         ).labels(*lv)
 
+        admission = self._counter("vllm:admission_rejections", "Requests refused at admission, by reason.", ("reason",))
+        self.admission_rejections = {r: admission.labels(*lv, r) for r in ADMISSION_REJECTION_REASONS}
+
         # glassbox extras: what vLLM does not export.
-        self.rejected = self._counter("glassbox:rejected_requests", "Requests refused at add_request (bad input).").labels(*lv)
+        rejected = self._counter("glassbox:rejected_requests", "Requests refused at add_request, by reason code "
+                                 "(invalid: can never be served as given; queue_full).", ("code",))
+        self.rejected = {c: rejected.labels(*lv, c) for c in REJECTION_CODES}
         self.evictions = self._counter(
             "glassbox:block_evictions", "Cached free KV blocks reused for new data (prefix-cache entries lost)."
         ).labels(*lv)
@@ -357,7 +310,9 @@ class PrometheusExporter(Consumer):
             "glassbox:step_duration_seconds", "Engine step wall time by phase.", STEP_DURATION_BUCKETS, ("phase",)
         )
         host = self._counter(
-            "glassbox:step_host_seconds", "Step wall time by phase and stage (rate() gives the share per stage).", ("phase", "stage")
+            "glassbox:step_host_seconds", "Step host time by phase and stage: schedule, prepare (inputs), launch "
+            "(forward and sampler), wait (for the sampled tokens), postprocess; rate() gives the share per stage.",
+            ("phase", "stage")
         )
         self._steps_family, self._durations_family, self._host_family = steps, durations, host
         self.steps = {p: steps.labels(*lv, p) for p in PHASES}
@@ -392,11 +347,12 @@ class PrometheusExporter(Consumer):
 
     # -- event handlers (worker thread) -------------------------------------------------------
 
-    def _set_gauges(self) -> None:
-        self.running.set(max(self._running, 0))
-        self.waiting.set(max(self._waiting, 0))
-        if self._num_blocks and self._free_blocks is not None:
-            self.kv_usage.set(min(max(1.0 - self._free_blocks / self._num_blocks, 0.0), 1.0))
+    def _set_gauges(self, running: int, waiting: int, free_blocks: int) -> None:
+        """From the scheduler's own counts, carried by ``schedule`` and ``step`` events."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        if self._num_blocks:
+            self.kv_usage.set(1.0 - free_blocks / self._num_blocks)
 
     def _on_engine_started(self, e: EngineStarted) -> None:
         if not self._config_metrics_ready:
@@ -411,39 +367,23 @@ class PrometheusExporter(Consumer):
             cache_dtype=e.dtype,
         ).set(1)
         self._num_blocks = e.num_blocks
-        self._free_blocks = e.num_blocks
-        self._running = self._waiting = 0
         self._requests.clear()
-        self._set_gauges()
+        self._set_gauges(0, 0, e.num_blocks)
 
     def _on_arrived(self, e: RequestArrived) -> None:
         self._requests[e.request_id] = _Request(e.arrival, e.prompt_tokens, e.max_tokens)
-        # Schedule events carry the authoritative counts, but between steps (and when the engine
-        # goes idle) only arrivals and finishes move them.
-        self._waiting += 1
-        self._set_gauges()
 
     def _on_rejected(self, e: RequestRejected) -> None:
-        self.rejected.inc()
+        self.rejected[e.code].inc()
+        if e.code in self.admission_rejections:
+            self.admission_rejections[e.code].inc()
 
     def _on_prefix_hit(self, e: PrefixHit) -> None:
         self.prefix_queries.inc(e.query_tokens)
         self.prefix_hits.inc(e.hit_tokens)
         req = self._requests.get(e.request_id)
-        if req is not None:
-            req.running = True
-            if req.cached_tokens is None:
-                req.cached_tokens = e.hit_tokens
-
-    def _on_block_alloc(self, e: BlockAlloc) -> None:
-        # Refcount 1 means the block left the free pool (fresh or a cached free block brought back).
-        if self._free_blocks is not None:
-            self._free_blocks -= sum(1 for r in e.refcounts if r == 1)
-
-    def _on_block_free(self, e: BlockFree) -> None:
-        if self._free_blocks is not None:
-            self._free_blocks += sum(1 for r in e.refcounts if r == 0)
-            self._set_gauges()
+        if req is not None and req.cached_tokens is None:
+            req.cached_tokens = e.hit_tokens
 
     def _on_block_stored(self, e: BlockStored) -> None:
         self.blocks_stored.inc(len(e.block_ids))
@@ -452,19 +392,16 @@ class PrometheusExporter(Consumer):
         self.evictions.inc()
 
     def _on_schedule(self, e: Schedule) -> None:
-        self._running, self._waiting, self._free_blocks = e.running, e.waiting, e.free_blocks
-        self._set_gauges()
+        self._set_gauges(e.running, e.waiting, e.free_blocks)
         chunks = sum(e.chunked)
         if chunks:
             self.prefill_chunks.inc(chunks)
 
     def _on_preempt(self, e: Preempt) -> None:
         self.preemptions.inc()
-        req = self._requests.get(e.request_id)
-        if req is not None:
-            req.running = False
 
     def _on_step(self, e: Step) -> None:
+        self._set_gauges(e.running, e.waiting, e.free_blocks)
         self.iteration_tokens.observe(e.num_prefill_tokens + e.num_decode_tokens)
         phase = e.phase
         if phase not in self.steps:
@@ -475,7 +412,7 @@ class PrometheusExporter(Consumer):
         self.steps[phase].inc()
         self.step_duration[phase].observe(e.duration_s)
         for stage, seconds in zip(
-            HOST_STAGES, (e.schedule_s, e.prepare_s, e.forward_s, e.sample_s, e.postprocess_s), strict=True
+            HOST_STAGES, (e.schedule_s, e.prepare_s, e.launch_s, e.wait_s, e.postprocess_s), strict=True
         ):
             self.step_host[(phase, stage)].inc(seconds)
 
@@ -520,7 +457,7 @@ class PrometheusExporter(Consumer):
         counter.inc()
         self.request_preemptions.observe(e.num_preemptions)
         req = self._requests.pop(e.request_id, None)
-        iv = RequestIntervals.of(e, req.last_token if req is not None else None)
+        iv = RequestIntervals.of(e)
         self.e2e.observe(iv.e2e)
         for hist, value in (
             (self.queue_time, iv.queue),
@@ -539,9 +476,3 @@ class PrometheusExporter(Consumer):
             self.prefill_kv_computed.observe(e.prompt_tokens - e.cached_tokens)
             if req is not None:
                 self.params_max_tokens.observe(req.max_tokens)
-        if req is not None:
-            if req.running:
-                self._running -= 1
-            else:
-                self._waiting -= 1
-            self._set_gauges()

@@ -4,6 +4,10 @@ A recording is one header line (schema version, the engine configuration from ``
 the caller's ``meta``) followed by every event as one JSON object with a ``seq`` number. A ``.gz``
 path is gzipped. The header waits for ``engine_started`` (only start-up events such as the
 CUDA-graph capture come before it), so the file opens, and fails, in the constructor.
+
+Reading is forgiving of damage and precise about it: the events before a bad line (a run killed
+mid-write, a hand edit, an older schema) are all delivered, then a :class:`RecordingError` names
+the file, the line and what is wrong there.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field, fields
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, BinaryIO, Callable, Iterator
 
-from engine.events import SCHEMA_VERSION, EngineStarted, Event, event_from_dict
+from engine.events import SCHEMA_VERSION, EngineStarted, Event, event_from_dict, event_to_dict
 from telemetry.event_queue import Consumer
 
 FORMAT = "glassbox-events"
@@ -27,21 +32,9 @@ RECORDER_QUEUE_SIZE = 1 << 20
 _MAX_PENDING = 1024
 _HEADER_SKIP = ("kind", "t", "step")
 
-_field_names: dict[type, tuple[str, ...]] = {}
-
-
 # One encoder for every line: ``json.dumps`` with options builds a new encoder per call, which was
 # half the cost of a 256-request schedule event. Events hold no cycles, so the check is skipped.
 _encode_record = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
-
-
-def event_to_dict(event: Event) -> dict[str, Any]:
-    """Like ``dataclasses.asdict`` (tuples stay tuples, JSON writes them as lists), without its deep copy."""
-    cls = type(event)
-    names = _field_names.get(cls)
-    if names is None:
-        names = _field_names[cls] = tuple(f.name for f in fields(cls))
-    return {name: getattr(event, name) for name in names}
 
 
 @dataclass(frozen=True)
@@ -52,15 +45,53 @@ class RecordingHeader:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _open_text(path: Path, mode: str) -> IO[str]:
-    if mode == "w":
-        if path.suffix == ".gz":
-            # Level 1: a fifth of gzip's default (9) CPU on the consumer's thread for ~25% more bytes.
-            return gzip.open(path, "wt", compresslevel=1, encoding="utf-8")
-        return open(path, "w", encoding="utf-8")
-    with open(path, "rb") as probe:
-        gzipped = probe.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+class RecordingError(ValueError):
+    """A recording that is not one, or that cannot be read past some line; the message says where."""
+
+
+def _create(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        # Level 1: a fifth of gzip's default (9) CPU on the consumer's thread for ~25% more bytes.
+        return gzip.open(path, "wt", compresslevel=1, encoding="utf-8")
+    return open(path, "w", encoding="utf-8")
+
+
+def _open_for_reading(path: Path) -> BinaryIO:
+    # Bytes, not text: a text wrapper reads ahead in chunks, and a chunk cut off by a killed run's
+    # truncated gzip stream would take the complete lines before the cut down with it.
+    try:
+        with open(path, "rb") as probe:
+            gzipped = probe.read(2) == b"\x1f\x8b"
+        return gzip.open(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot read recording {str(path)!r}: {exc.strerror}") from exc
+
+
+class _Lines:
+    """The lines of a recording with their line numbers; a damaged gzip stream becomes a RecordingError."""
+
+    def __init__(self, path: Path, stream: BinaryIO) -> None:
+        self.path = path
+        self.lineno = 0  # of the line last returned
+        self._stream = stream
+
+    def error(self, what: str, lineno: int | None = None) -> RecordingError:
+        return RecordingError(f"{self.path}:{self.lineno if lineno is None else lineno}: {what}")
+
+    def next(self) -> bytes:
+        """The next line with its newline (none on a line cut off at the end), b"" at the end."""
+        try:
+            line = self._stream.readline()
+        except EOFError:
+            raise self.error("the gzip stream ends early (the recording was cut off)", self.lineno + 1) from None
+        except (OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+            raise self.error(f"the file cannot be read further ({exc})", self.lineno + 1) from exc
+        if line:
+            self.lineno += 1
+        return line
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 class EventRecorder(Consumer):
@@ -71,7 +102,7 @@ class EventRecorder(Consumer):
         self.meta = dict(meta or {})
         json.dumps(self.meta)  # a meta that cannot be written should fail now, not at engine start
         try:
-            self._file = _open_text(self.path, "w")
+            self._file = _create(self.path)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot write recording to {str(self.path)!r}: {exc.strerror}") from exc
         self._created = time.time()
@@ -118,29 +149,69 @@ class EventRecorder(Consumer):
 
 
 def read_recording(path: str | Path) -> tuple[RecordingHeader, Iterator[Event]]:
-    """The header, and a lazy iterator over the recorded events (the file closes when it ends)."""
+    """The header, and a lazy iterator over the recorded events (the file closes when it ends).
+
+    A file that is not a recording (or is of a newer schema) raises :class:`RecordingError` here,
+    one that cannot be opened ``OSError``. The iterator yields every event before the first damaged
+    line, then raises :class:`RecordingError` naming the file and that line."""
     path = Path(path)
-    stream = _open_text(path, "r")
+    lines = _Lines(path, _open_for_reading(path))
     try:
-        raw = json.loads(stream.readline() or "null")
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a glassbox recording (no header line)")
-        if raw["schema_version"] > SCHEMA_VERSION:
-            raise ValueError(f"{path} has event schema {raw['schema_version']}; this code reads up to {SCHEMA_VERSION}")
+        header = _read_header(lines)
     except BaseException:
-        stream.close()
+        lines.close()
         raise
-    header = RecordingHeader(raw["schema_version"], raw["created"], raw["engine"], raw.get("meta") or {})
 
     def events() -> Iterator[Event]:
-        with stream:
-            for lineno, line in enumerate(stream, start=2):
-                record = json.loads(line)
-                if record["seq"] != lineno - 2:
-                    raise ValueError(f"{path}:{lineno}: expected seq {lineno - 2}, found {record['seq']}")
-                yield event_from_dict(record)
+        try:
+            while line := lines.next():
+                yield _read_event(lines, line, header.schema_version)
+        finally:
+            lines.close()
 
     return header, events()
+
+
+def _read_header(lines: _Lines) -> RecordingHeader:
+    line = lines.next()  # a gzip stream damaged before the first line ends raises here
+    try:
+        raw = json.loads(line or b"null")
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for a binary file
+        raw = None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise RecordingError(f"{lines.path} is not a glassbox recording (no header line)")
+    version = raw.get("schema_version")
+    if not isinstance(version, int) or not isinstance(raw.get("created"), (int, float)) or "engine" not in raw:
+        raise lines.error("the header lacks schema_version, created or engine; the recording is damaged")
+    if version > SCHEMA_VERSION:
+        raise RecordingError(f"{lines.path} has event schema {version}; this build reads up to {SCHEMA_VERSION}. "
+                             "Replay it with the version of glassbox that recorded it.")
+    return RecordingHeader(version, raw["created"], raw["engine"], raw.get("meta") or {})
+
+
+def _read_event(lines: _Lines, line: bytes, schema_version: int) -> Event:
+    try:
+        record = json.loads(line)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+        # Lines are written whole, newline last: a last line without one was cut off mid-write.
+        if not line.endswith(b"\n"):
+            raise lines.error("the line is incomplete (the recording was cut off)") from None
+        raise lines.error(f"not a JSON line ({exc})") from None
+    expected = lines.lineno - 2
+    if not isinstance(record, dict):
+        raise lines.error(f"expected an event object, found {type(record).__name__}")
+    if record.get("seq") != expected:
+        raise lines.error(f"expected seq {expected}, found {record.get('seq', 'none')}")
+    try:
+        return event_from_dict(record)
+    # event_from_dict names an unknown kind or missing fields in a ValueError; KeyError and TypeError
+    # are what an older event_from_dict raised for the same damage.
+    except (ValueError, KeyError, TypeError) as exc:
+        what = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        if schema_version < SCHEMA_VERSION:
+            raise lines.error(f"recorded with event schema {schema_version}; this build reads schema "
+                              f"{SCHEMA_VERSION}: {what}. Re-record it with this version.") from exc
+        raise lines.error(what) from exc
 
 
 class Replayer:
@@ -149,18 +220,32 @@ class Replayer:
 
     :meth:`play` blocks (run it on a thread); the other methods are safe to call from any thread.
     Seeking forward delivers the skipped events at once, so consumers' state stays right; seeking
-    backward calls ``on_reset`` (the consumer must forget what it saw) and replays from the start."""
+    backward calls ``on_reset`` (the consumer must forget what it saw) and replays from the start.
 
-    def __init__(self, path: str | Path, callback: Callable[[Event], None], on_reset: Callable[[], None] | None = None):
+    A damaged recording plays up to its first bad line; :attr:`error` says where and why, and
+    ``on_error`` gets it when the replay reaches that point (again after every reset), in order
+    with the events, as a live engine's error would come."""
+
+    def __init__(self, path: str | Path, callback: Callable[[Event], None], on_reset: Callable[[], None] | None = None,
+                 on_error: Callable[[RecordingError], None] | None = None):
         self.header, events = read_recording(path)
         self._callback = callback
         self._on_reset = on_reset
-        # Events grouped by engine step, in order: a step is the unit of step_once and seek.
+        self._on_error = on_error
+        self.error: RecordingError | None = None
+        # Events grouped by engine iteration, in order: the unit of step_once and seek. An iteration
+        # opens with the first event of a new step; the results of the step before it, which land
+        # (stamped with their own step) while the next one is launched, stay in it, so that
+        # stepping only ever moves forward.
         self._groups: list[list[Event]] = []
-        for event in events:
-            if not self._groups or self._groups[-1][0].step != event.step:
-                self._groups.append([])
-            self._groups[-1].append(event)
+        try:
+            for event in events:
+                if not self._groups or event.step > self._groups[-1][0].step:
+                    self._groups.append([])
+                self._groups[-1].append(event)
+        except RecordingError as exc:
+            self.error = exc
+        self._error_reported = False
         self._group = 0  # cursor: next event is self._groups[self._group][self._offset]
         self._offset = 0
         self._cond = threading.Condition(threading.RLock())
@@ -185,11 +270,12 @@ class Replayer:
     def step_once(self) -> int | None:
         """Deliver the (rest of the) next step's events; return that step, None at the end."""
         with self._cond:
-            if self._group >= len(self._groups):
+            if self._at_end():
                 return None
             step = self._groups[self._group][0].step
             while self._group < len(self._groups) and self._groups[self._group][0].step == step:
                 self._deliver_next()
+            self._at_end()
             self._touch()
             return step
 
@@ -201,8 +287,10 @@ class Replayer:
                 if self._on_reset is not None:
                     self._on_reset()
                 self._group = self._offset = 0
+                self._error_reported = False
             while self._group < target:
                 self._deliver_next()
+            self._at_end()
             self._touch()
 
     def pause(self) -> None:
@@ -234,7 +322,7 @@ class Replayer:
                 if self._paused:
                     self._cond.wait()
                     continue
-                if self._group >= len(self._groups):
+                if self._at_end():
                     return
                 if generation != self._generation:
                     anchor, generation = None, self._generation
@@ -258,6 +346,15 @@ class Replayer:
             self._group += 1
             self._offset = 0
         self._callback(event)
+
+    def _at_end(self) -> bool:
+        """Whether every event has been delivered; the first time, a damaged recording reports its error."""
+        if self._group < len(self._groups):
+            return False
+        if self.error is not None and self._on_error is not None and not self._error_reported:
+            self._error_reported = True
+            self._on_error(self.error)
+        return True
 
     def _touch(self) -> None:
         self._generation += 1

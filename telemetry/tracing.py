@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -27,7 +27,6 @@ from engine.events import (
     PrefixHit,
     RequestArrived,
     RequestFinished,
-    Tokens,
 )
 from telemetry.event_queue import DEFAULT_MAXSIZE, Consumer
 from telemetry.intervals import RequestIntervals
@@ -80,7 +79,6 @@ def _resolve_exporter(otlp_endpoint: str | None) -> SpanExporter | None:
 @dataclass(slots=True)
 class _Request:
     arrived: RequestArrived | None = None
-    last_token: float | None = None
     span_events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
 
 
@@ -111,6 +109,14 @@ class RequestTracer(Consumer):
         self._requests: dict[int, _Request] = {}
         # Until engine_started says otherwise, assume the engine shares this process's clock.
         self._anchor = (time.time(), time.perf_counter())
+        self._handlers: dict[type[Event], Callable[[Any], None]] = {
+            RequestArrived: self._on_arrived,
+            PrefixHit: self._on_prefix_hit,
+            Preempt: self._on_preempt,
+            FirstToken: self._on_first_token,
+            RequestFinished: self._finish,
+            EngineStarted: self._on_engine_started,
+        }
         super().__init__(queue_size)
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -125,30 +131,31 @@ class RequestTracer(Consumer):
         return int(wall * 1e9) + int((t - anchor_t) * 1e9)
 
     def handle(self, event: Event) -> None:
-        if isinstance(event, Tokens):
-            for rid in event.request_ids:
-                req = self._requests.get(rid)
-                if req is not None:
-                    req.last_token = event.t
-        elif isinstance(event, RequestArrived):
-            self._requests[event.request_id] = _Request(arrived=event)
-        elif isinstance(event, PrefixHit):
-            self._span_event(event.request_id, "scheduled", event,
-                             {"glassbox.query_tokens": event.query_tokens, "glassbox.hit_tokens": event.hit_tokens})  # fmt: skip
-        elif isinstance(event, Preempt):
-            self._span_event(event.request_id, "preempted", event, {
-                "glassbox.num_tokens": event.num_tokens,
-                "glassbox.freed_blocks": event.freed_blocks,
-                "glassbox.for_request_id": str(event.for_request_id),
-            })  # fmt: skip
-        elif isinstance(event, FirstToken):
-            self._span_event(event.request_id, "first_token", event, {})
-        elif isinstance(event, RequestFinished):
-            self._finish(event)
-        elif isinstance(event, EngineStarted):
-            self._anchor = (event.wall_time, event.t)
-            if self.model_name is None:
-                self.model_name = event.model
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _on_arrived(self, e: RequestArrived) -> None:
+        self._requests[e.request_id] = _Request(arrived=e)
+
+    def _on_prefix_hit(self, e: PrefixHit) -> None:
+        self._span_event(e.request_id, "scheduled", e,
+                         {"glassbox.query_tokens": e.query_tokens, "glassbox.hit_tokens": e.hit_tokens})
+
+    def _on_preempt(self, e: Preempt) -> None:
+        self._span_event(e.request_id, "preempted", e, {
+            "glassbox.num_tokens": e.num_tokens,
+            "glassbox.freed_blocks": e.freed_blocks,
+            "glassbox.for_request_id": str(e.for_request_id),
+        })  # fmt: skip
+
+    def _on_first_token(self, e: FirstToken) -> None:
+        self._span_event(e.request_id, "first_token", e, {})
+
+    def _on_engine_started(self, e: EngineStarted) -> None:
+        self._anchor = (e.wall_time, e.t)
+        if self.model_name is None:
+            self.model_name = e.model
 
     def _span_event(self, rid: int, name: str, event: Event, attrs: dict[str, Any]) -> None:
         attrs["glassbox.step"] = event.step
@@ -156,7 +163,7 @@ class RequestTracer(Consumer):
 
     def _finish(self, done: RequestFinished) -> None:
         req = self._requests.pop(done.request_id, None) or _Request()
-        iv = RequestIntervals.of(done, req.last_token)
+        iv = RequestIntervals.of(done)
         attrs: dict[str, Any] = {
             "gen_ai.request.id": str(done.request_id),
             "gen_ai.usage.prompt_tokens": done.prompt_tokens,

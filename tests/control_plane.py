@@ -1,16 +1,51 @@
-"""Shared helpers for control-plane tests: a scheduler driven by a deterministic fake model."""
+"""The real control plane (``Scheduler`` + ``BlockManager``) driven by a deterministic fake model.
+
+:class:`FakeEngine` is the tests' stand-in for ``LLMEngine``: the scheduler and block manager are
+the engine's own, only the model is fake (the next token is a function of the tokens before it).
+Around the scheduler it emits the engine-level events ``engine/llm_engine.py`` emits, in the same
+order and with the same meaning (``engine_started``, ``request_arrived``, ``request_rejected``, one
+``step`` per landed step), so consumer tests (Prometheus, tracing, the dashboard, the recorder)
+are fed the real control plane's event stream rather than a second model of it.
+
+Every ``t`` is the bus's real ``perf_counter`` stamp and the ``step`` event's host times are
+measured like the engine's, so tests assert relations between event fields, never constant times.
+
+The part a model runner would emit is mimicked, minimally, on a pretend CUDA device
+(``device="cuda"`` and not ``enforce_eager``): ``cudagraph_capture`` at start for the engine's own
+``graph_batch_sizes``, and ``cudagraph_replay`` for every decode step, padded to the smallest
+captured size that holds its batch. On the CPU (the default) the steps are eager, as the engine's.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from dataclasses import dataclass
 
+from engine.block_manager import NO_HASH, BlockManager
 from engine.config import Config
-from engine.events import Event, EventBus
+from engine.events import (
+    CudaGraphCapture,
+    CudaGraphReplay,
+    EngineStarted,
+    Event,
+    EventBus,
+    RequestArrived,
+    RequestRejected,
+    Step,
+)
+from engine.model_runner import graph_batch_sizes
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import RequestRejectedError, ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Sequence
 
 VOCAB = 1000
+# In the vocabulary, but requests ignore it unless added with ``ignore_eos=False``.
+EOS = VOCAB - 1
+MODEL = "fake-qwen3"
+# What a pretend CUDA device reports for its graph capture (invented, but not zero).
+CAPTURE_SECONDS = 0.25
+GRAPH_POOL_BYTES = 64 << 20
 
 
 def fake_token(token_ids: list[int]) -> int:
@@ -18,67 +53,192 @@ def fake_token(token_ids: list[int]) -> int:
     return (sum(token_ids) * 31 + len(token_ids) * 7) % VOCAB
 
 
-class FakeEngine:
-    """schedule -> fake forward -> expect_tokens -> postprocess, with every event recorded.
+@dataclass(slots=True)
+class InFlight:
+    """A launched step whose results have not been applied (``LLMEngine``'s ``_InFlight``)."""
 
-    With ``overlap`` a step is postprocessed only after the next step is launched, as the
-    engine's asynchronous scheduling does; the fake 'device' resolves placeholders from the samples
-    of the step in flight, as the model runner does on the GPU."""
+    batch: ScheduledBatch
+    tokens: list[int]
+    number: int  # the step that launched it
+    start: float  # when its scheduling began
+    schedule_s: float
+    prepare_s: float
+    launch_s: float
+    padded_batch_size: int | None
+
+
+class FakeEngine:
+    """``LLMEngine``'s loop: schedule -> fake forward -> ``expect_tokens`` -> postprocess, with every
+    event recorded in ``events`` (start-up announcements first).
+
+    With ``overlap`` a step is postprocessed only after the next step is launched, as the engine's
+    asynchronous scheduling does; the fake 'device' resolves placeholders from the samples of the
+    step in flight, as the model runner does on the GPU. The bus is held during a step and
+    published where the engine publishes, so batch subscribers see what they would see."""
 
     def __init__(self, overlap: bool = False, **config_overrides) -> None:
-        defaults = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=256,
-                        max_num_seqs=8, max_model_len=1024, eos=VOCAB)  # eos outside the vocab: never hit
+        defaults = {"kvcache_block_size": 16, "num_kvcache_blocks": 64, "max_num_batched_tokens": 256,
+                    "max_num_seqs": 8, "max_model_len": 1024, "eos": EOS, "model": MODEL}
         defaults.update(config_overrides)
-        self.config = Config(**defaults)
+        self.config = config = Config(**defaults)
         self.events: list[Event] = []
         self.bus = EventBus()
         self.bus.subscribe(self.events.append)
-        self.scheduler = Scheduler(self.config, self.bus)
+        self.scheduler = Scheduler(config, self.bus)
         self.finished: list[Sequence] = []
         self.all_seqs: list[Sequence] = []
         self.steps = 0
         self.overlap = overlap
-        self.in_flight: tuple[ScheduledBatch, list[int]] | None = None
+        self.in_flight: InFlight | None = None
+        self._last_completion = 0.0
+        device = config.device or "cpu"
+        self.bus.announce(
+            EngineStarted, model=config.model, device=device,
+            dtype=config.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+            attention_backend="fake", block_size=config.kvcache_block_size, num_blocks=config.num_kvcache_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
+            enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
+            wall_time=time.time())
+        # Model-runner mimicry: decode CUDA graphs on a (pretend) CUDA device unless eager.
+        self.graph_sizes: list[int] = []
+        if device.startswith("cuda") and not config.enforce_eager:
+            self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
+            self.bus.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_sizes), seconds=CAPTURE_SECONDS,
+                              pool_bytes=GRAPH_POOL_BYTES)
+
+    # --- requests (LLMEngine.add_request / abort_request) --------------------------------------
 
     def add(self, prompt: list[int], max_tokens: int = 8, ignore_eos: bool = True, temperature: float = 0.0,
-            arrival_time: float = 0.0) -> Sequence:
+            arrival_time: float | None = None) -> Sequence:
+        """Queue a request; a refused one emits ``request_rejected`` and raises ``RequestRejectedError``
+        (``LLMEngine.add_request``: checked before a ``Sequence`` exists, queued, then announced)."""
+        request_id = next(Sequence.counter)
+        try:
+            self.scheduler.check(len(prompt), max_tokens)
+            self.scheduler.check_capacity()
+        except RequestRejectedError as exc:
+            if self.bus.active:
+                self.bus.emit(RequestRejected, request_id=request_id, reason=str(exc), code=exc.code)
+            raise
         seq = Sequence(prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos),
-                       self.config.kvcache_block_size, arrival_time)
+                       self.config.kvcache_block_size, time.perf_counter() if arrival_time is None else arrival_time,
+                       seq_id=request_id)
         self.scheduler.add(seq)
         self.all_seqs.append(seq)
+        if self.bus.active:
+            self.bus.emit(RequestArrived, request_id=seq.seq_id, prompt_tokens=seq.num_prompt_tokens,
+                          max_tokens=max_tokens, temperature=seq.temperature, arrival=seq.arrival_time)
         return seq
 
-    def _forward(self, batch: ScheduledBatch, previous: tuple[ScheduledBatch, list[int]] | None) -> list[int]:
+    def abort(self, request_id: int) -> bool:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.finished.append(seq)
+        return seq is not None
+
+    def abandon(self) -> None:
+        """What the engine does after an interrupt (``LLMEngine._abandon``): abort every request
+        still in the scheduler, then land the step in flight."""
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.abort(seq.seq_id)
+        self.drain()
+        # A step interrupted after finishing requests never returned them.
+        self.finished = [seq for seq in self.all_seqs if seq.is_finished]
+
+    # --- the loop (LLMEngine.step) -------------------------------------------------------------
+
+    def step(self) -> tuple[list[Sequence], bool]:
+        """One engine iteration; returns the batch it launched and whether it is a prefill."""
+        with self.bus.held():
+            try:
+                return self._step()
+            finally:
+                if self.in_flight is None:
+                    self.bus.publish()
+
+    def _step(self) -> tuple[list[Sequence], bool]:
+        start = time.perf_counter()
+        self.steps += 1
+        self.bus.step = self.steps
+        batch = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - start
+        previous, self.in_flight = self.in_flight, None
+        if batch:
+            try:
+                self.in_flight = self._launch(batch, previous, start, schedule_s)
+            except BaseException:
+                self.in_flight = previous  # still to be collected
+                raise
+        if previous is not None:
+            self.finished += self._complete(previous)
+        if self.in_flight is not None and not self.overlap:
+            current, self.in_flight = self.in_flight, None
+            self.finished += self._complete(current)
+        return batch.seqs, batch.is_prefill
+
+    def drain(self) -> None:
+        """Land the step in flight, if any (``LLMEngine.drain``)."""
+        step, self.in_flight = self.in_flight, None
+        try:
+            if step is not None:
+                self.finished += self._complete(step)
+        finally:
+            self.bus.publish()
+
+    def _launch(self, batch: ScheduledBatch, previous: InFlight | None, start: float, schedule_s: float) -> InFlight:
+        """The fake model runner: the next token of every scheduled sequence, reading a token still in
+        flight from the previous step's samples; then ``expect_tokens``, as the engine's ``_launch``."""
+        t0 = time.perf_counter()
         in_flight = {}
         if previous is not None:
-            in_flight = {seq.seq_id: token for seq, token in zip(*previous)}
-        tokens = []
+            in_flight = {seq.seq_id: token for seq, token in zip(previous.batch.seqs, previous.tokens)}
+        histories = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             history = seq.token_ids[: seq.num_cached_tokens + n] if batch.is_prefill else list(seq.token_ids)
             if history[-1] == PLACEHOLDER:
                 assert not batch.is_prefill, "a prefill read a token that was not known yet"
                 history[-1] = in_flight[seq.seq_id]
             assert PLACEHOLDER not in history, f"request {seq.seq_id} computes an unknown token"
-            tokens.append(fake_token(history))
-        return tokens
+            histories.append(history)
+        t1 = time.perf_counter()
+        padded = None
+        if not batch.is_prefill and self.graph_sizes:
+            # Model-runner mimicry: a decode batch pads to the smallest captured graph that holds it.
+            padded = next(size for size in self.graph_sizes if size >= len(batch.seqs))
+            if self.bus.active:
+                self.bus.emit(CudaGraphReplay, batch_size=len(batch.seqs), padded_batch_size=padded)
+        tokens = [fake_token(history) for history in histories]
+        launched = InFlight(batch, tokens, self.steps, start, schedule_s, prepare_s=t1 - t0,
+                            launch_s=time.perf_counter() - t1, padded_batch_size=padded)
+        self.scheduler.expect_tokens(batch)
+        return launched
 
-    def step(self) -> tuple[list[Sequence], bool]:
-        self.steps += 1
-        self.bus.step = self.steps
-        batch = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
-        if batch:
-            tokens = self._forward(batch, (previous[0].seqs, previous[1]) if previous else None)
-            self.scheduler.expect_tokens(batch)
-            if previous is not None:
-                self.finished += self.scheduler.postprocess(*previous)
-            if not self.overlap:
-                self.finished += self.scheduler.postprocess(batch, tokens)
-            else:
-                self.in_flight = (batch, tokens)
-        elif previous is not None:
-            self.finished += self.scheduler.postprocess(*previous)
-        return batch.seqs, batch.is_prefill
+    def _complete(self, step: InFlight) -> list[Sequence]:
+        """Apply a launched step's tokens and emit its ``step`` event, stamped with the number of the
+        step that launched it (``LLMEngine._complete`` and ``_postprocess``)."""
+        self.bus.publish()  # where the engine blocks on the GPU
+        now_stepping, self.bus.step = self.bus.step, step.number
+        try:
+            t = time.perf_counter()
+            scheduler, batch = self.scheduler, step.batch
+            finished = scheduler.postprocess(batch, step.tokens)
+            end = time.perf_counter()
+            if self.bus.active:
+                self.bus.emit(
+                    Step, phase="prefill" if batch.is_prefill else "decode", num_seqs=len(batch.seqs),
+                    num_prefill_tokens=sum(batch.num_tokens) if batch.is_prefill else 0,
+                    num_decode_tokens=0 if batch.is_prefill else len(batch.seqs),
+                    duration_s=end - max(step.start, self._last_completion), schedule_s=step.schedule_s,
+                    prepare_s=step.prepare_s, launch_s=step.launch_s,
+                    wait_s=0.0,  # the fake samples are on the host at once
+                    postprocess_s=end - t, padded_batch_size=step.padded_batch_size,
+                    waiting=len(scheduler.waiting), running=len(scheduler.running),
+                    free_blocks=scheduler.block_manager.num_free_blocks)
+            self._last_completion = end
+            return finished
+        finally:
+            self.bus.step = now_stepping
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.in_flight is None
@@ -94,6 +254,9 @@ class FakeEngine:
 
     def of_kind(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
+
+
+_compute_hash = BlockManager.compute_hash  # the real one, even where a test counts its calls
 
 
 def check_invariants(engine: FakeEngine) -> None:
@@ -112,7 +275,98 @@ def check_invariants(engine: FakeEngine) -> None:
     done = [s.seq_id for s in engine.finished]
     assert len(live) + len(done) == len(set(live) | set(done)), "a request is in two places"
     assert set(live) | set(done) == {s.seq_id for s in engine.all_seqs}, "a request was lost"
+    for seq in (*sched.waiting, *sched.running):
+        # The chained hashes kept on a sequence are those of its blocks' tokens, all of them known.
+        h = NO_HASH
+        for i, kept in enumerate(seq.block_hashes):
+            assert PLACEHOLDER not in seq.block(i), f"request {seq.seq_id} hashed a token still in flight"
+            h = _compute_hash(seq.block(i), h)
+            assert kept == h, f"request {seq.seq_id} keeps a wrong hash for block {i}"
     for seq in sched.running:
         assert len(seq.block_table) == seq.num_blocks or (
             # a running request's block table covers its tokens (the newest may still await a block)
             len(seq.block_table) == seq.num_blocks - 1 and seq.num_tokens % bm.block_size == 1)
+
+
+# --- a workload that exercises every event kind, for the consumers' tests -------------------------
+
+# Small enough that a round chunks, shares, preempts and evicts; on a pretend CUDA device (graphs).
+WORKLOAD_CONFIG = {"kvcache_block_size": 16, "num_kvcache_blocks": 16, "max_num_seqs": 4,
+                   "max_num_batched_tokens": 64, "max_model_len": 256, "device": "cuda"}
+
+
+def workload_engine(overlap: bool = True, **config) -> FakeEngine:
+    """A ``FakeEngine`` with ``WORKLOAD_CONFIG`` (overridden by ``config``), asynchronous by default
+    as the engine is."""
+    return FakeEngine(overlap=overlap, **{**WORKLOAD_CONFIG, **config})
+
+
+def _tokens(n: int, salt: int) -> list[int]:
+    return [(salt * 131 + i * 17 + 3) % EOS for i in range(n)]  # never EOS itself
+
+
+def _stopping_prompt(prefix: list[int], salt: int, eos: int, after: int) -> list[int]:
+    """``prefix`` plus own tokens after which the fake model samples ``eos`` as its ``after``-th token."""
+    for extra in range(8):
+        own = _tokens(8 + extra, salt)
+        for last in range(EOS):
+            prompt = prefix + own[:-1] + [last]
+            out: list[int] = []
+            while len(out) < after:
+                out.append(fake_token(prompt + out))
+            if out[-1] == eos and eos not in out[:-1]:
+                return prompt
+    raise AssertionError(f"no prompt makes the fake model stop after {after} tokens")
+
+
+def run_workload(engine: FakeEngine, rounds: int = 1) -> list[Event]:
+    """Drive ``engine`` to idle through ``rounds`` rounds of work; returns the events they caused.
+
+    Each round: requests sharing a system prompt (prefix hits) whose decode outgrows the pool
+    (preemption, then eviction of cached blocks), one of them stopped by EOS; a prompt longer than
+    the token budget (chunked prefill); a request refused as invalid; one aborted while waiting and
+    one aborted after its first tokens. Sizes follow the engine's configuration."""
+    start = len(engine.events)
+    for _ in range(rounds):
+        _one_round(engine)
+    return engine.events[start:]
+
+
+def _one_round(engine: FakeEngine) -> None:
+    cfg = engine.config
+    bs, pool = cfg.kvcache_block_size, cfg.num_kvcache_blocks * cfg.kvcache_block_size
+    salt = len(engine.all_seqs)  # every round brings new prompts
+    system = _tokens(2 * bs + bs // 2, salt)
+    n = min(4, cfg.max_num_seqs)
+    # Together they grow to about twice the pool: decoding runs out of blocks.
+    final_len = min(cfg.max_model_len - 1, pool, 2 * pool // n)
+    for i in range(n):
+        if i == 1 and 0 <= cfg.eos < VOCAB:
+            prompt = _stopping_prompt(system, salt + i, cfg.eos, after=3)
+            engine.add(prompt, max_tokens=max(4, final_len - len(prompt)), ignore_eos=False, temperature=0.7)
+        else:
+            prompt = system + _tokens(8 + i, salt + i)
+            engine.add(prompt, max_tokens=max(4, final_len - len(prompt)), temperature=0.7)
+    long_len = min(cfg.max_num_batched_tokens + cfg.max_num_batched_tokens // 2 + 1, cfg.max_model_len - 8, pool - 8)
+    engine.add(_tokens(long_len, salt + 5), max_tokens=8)
+    try:
+        engine.add([1] * (cfg.max_model_len + 1), max_tokens=4)
+    except RequestRejectedError:
+        pass
+    doomed = engine.add(system + [7, 7, 7], max_tokens=4)
+    engine.abort(doomed.seq_id)
+    for _ in range(6):
+        engine.step()
+    late = engine.add(system + [3] * 20, max_tokens=10)
+    while not late.is_finished and late.num_completion_tokens < 3:
+        engine.step()
+    engine.abort(late.seq_id)
+    engine.run()
+
+
+def workload_events(rounds: int = 1, **config) -> list[Event]:
+    """The whole stream of a ``workload_engine(**config)`` run through ``rounds`` rounds: start-up
+    announcements, then every event until it is idle again."""
+    engine = workload_engine(**config)
+    run_workload(engine, rounds)
+    return engine.events

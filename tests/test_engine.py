@@ -1,6 +1,6 @@
 """LLM.generate end to end on the tiny checkpoint, against transformers' Qwen3 on the same weights.
 
-DESIGN.md's greedy-equality rule: free-running greedy tokens must equal the reference exactly in
+The greedy-equality rule (docs/architecture.md §6): free-running greedy tokens must equal the reference exactly in
 float32 on the CPU, and teacher-forced argmax must match wherever the reference's top-2 gap is at
 least 1e-4 (the exempted positions are counted and must stay rare).
 """
@@ -8,9 +8,9 @@ least 1e-4 (the exempted positions are counted and must stay rare).
 from __future__ import annotations
 
 import random
-
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +18,7 @@ from engine.config import ConfigError
 from engine.llm_engine import LLM
 from engine.model_runner import LaunchedStep
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejectedError
+from engine.scheduler import QueueFullError, RequestRejectedError
 from models.errors import CheckpointError
 
 MAX_TOKENS = 20
@@ -222,11 +222,14 @@ def test_step_events_carry_a_host_time_breakdown(tiny_checkpoint, async_scheduli
     # Durations split the wall time between steps; overlapped steps' host parts may add up to more.
     assert 0 < sum(s.duration_s for s in steps) <= wall
     for s in steps:
-        parts = (s.schedule_s, s.prepare_s, s.forward_s, s.sample_s, s.postprocess_s)
+        parts = (s.schedule_s, s.prepare_s, s.launch_s, s.wait_s, s.postprocess_s)
         assert min(parts) >= 0 and sum(parts) > 0
         if not async_scheduling:
             assert sum(parts) <= s.duration_s + 1e-6
     assert steps[0].num_prefill_tokens == 3 and steps[1].num_decode_tokens == 1
+    # The scheduler's counts once each step's results are applied: the last one finished the request.
+    assert [(s.waiting, s.running) for s in steps] == [(0, 1), (0, 1), (0, 0)]
+    assert steps[-1].free_blocks == llm.config.num_kvcache_blocks
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -266,7 +269,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_checkpoint):
         ("", "empty"),
         (3.5, "string or a list of token ids"),
         ([1, 2.5], r"list of token ids \(ints\), got a list of float, int"),
-        ([2**70], "list of token ids"),
+        ([2**70], r"token id\(s\) \[1180591620717411303424\] are outside the vocabulary"),
+        ([True, False], "list of token ids"),
+        (np.array([[1, 2]]), "list of token ids"),
+        ({1, 2}, "got set"),
     ]
     for prompt, match in cases:
         with pytest.raises(RequestRejectedError, match=match):
@@ -274,10 +280,13 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_checkpoint):
     with pytest.raises(RequestRejectedError, match="whole pool"):
         llm.add_request([1] * 40, greedy(20))  # up to 59 cached tokens: 4 blocks, the pool has 3
     rejected = [e for e in events if e.kind == "request_rejected"]
-    assert len(rejected) == len(cases) + 1
+    assert len(rejected) == len(cases) + 1 and {e.code for e in rejected} == {"invalid"}
     with pytest.raises(RequestRejectedError, match="prompt 1"):
         llm.generate([[1, 2], [], [3]], greedy(2), use_tqdm=False)
     assert llm.is_finished()  # nothing half-queued
+    # A refusal inside generate() is published like any other.
+    refused = [e for e in events if e.kind == "request_rejected"][len(rejected):]
+    assert len(refused) == 1 and "empty" in refused[0].reason
     assert len(llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)[0]["token_ids"]) == 4
     assert len(llm.scheduler.block_manager.free_block_ids) == 3
 
@@ -336,3 +345,92 @@ def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_check
         assert all(b == -1 for row, seq in zip(context.block_tables.tolist(), seqs) for b in row[len(seq.block_table):])
     finally:
         reset_context()
+
+
+def test_a_string_tokenised_outside_the_vocabulary_is_refused(tiny_checkpoint, monkeypatch):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    vocab = llm.model_config.vocab_size
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text: [1, vocab + 3])  # a tokenizer bigger than the model
+    with pytest.raises(RequestRejectedError, match=rf"tokenizer gave token id\(s\) \[{vocab + 3}\].*does not match"):
+        llm.generate(["hello"], greedy(2), use_tqdm=False)
+    assert llm.is_finished()
+
+
+def test_a_single_prompt_is_one_request(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    (text,) = llm.generate("hello", greedy(3), use_tqdm=False)
+    assert len(text["token_ids"]) == 3
+    (ids,) = llm.generate([5, 6, 7], greedy(3), use_tqdm=False)
+    assert ids == llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0]
+    (array,) = llm.generate(np.array([5, 6, 7]), greedy(3), use_tqdm=False)
+    assert array == ids
+
+
+def test_sampling_parameters_of_the_wrong_type_are_refused(tiny_checkpoint):
+    for kwargs, match in [(dict(temperature=True), "temperature=True"), (dict(temperature="0.5"), "temperature"),
+                          (dict(max_tokens=4.0), "max_tokens=4.0"), (dict(ignore_eos="no"), "ignore_eos='no'")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kwargs)
+    assert SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(3)).max_tokens == 3
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    for bad, name in [(None, "NoneType"), ({"temperature": 0}, "dict")]:
+        with pytest.raises(RequestRejectedError, match=rf"prompt 1: sampling params must be a SamplingParams, got {name}"):
+            llm.generate([[1, 2], [3, 4]], [greedy(2), bad], use_tqdm=False)
+    with pytest.raises(RequestRejectedError, match="got dict"):
+        llm.add_request([1, 2], {"temperature": 0})
+    assert llm.is_finished()
+
+
+def test_the_waiting_queue_limit_refuses_with_queue_full(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, max_waiting_requests=2)
+    events = []
+    llm.events.subscribe(events.append)
+    first, second = llm.add_request([1, 2], greedy(2)), llm.add_request([3, 4], greedy(2))
+    with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
+        llm.add_request([5, 6], greedy(2))
+    (refused,) = [e for e in events if e.kind == "request_rejected"]
+    assert refused.code == "queue_full"
+    assert [e.request_id for e in events if e.kind == "request_arrived"] == [first, second]
+    while not llm.is_finished():
+        llm.step()
+    # generate() holds back what does not fit and queues it as the queue drains.
+    outs = llm.generate([[i + 1, i + 2] for i in range(7)], greedy(2), use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [2] * 7
+    assert max(e.waiting for e in events if e.kind == "schedule") <= 2
+
+
+def test_an_interrupt_at_any_event_leaves_no_block_held(tiny_checkpoint):
+    """Ctrl-C (or any BaseException from a subscriber) wherever it lands: generate() aborts what it
+    started, no block stays held, the prefix cache can be reset and the engine serves again."""
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, num_kvcache_blocks=6, max_num_batched_tokens=48)
+    prompts_ = [[7] * 40, [7] * 33 + [9] * 5, [3] * 20]  # a shared prefix, a chunked prompt, and preemption
+    params = greedy(12)
+    events = []
+    unsubscribe = llm.events.subscribe(events.append)
+    del events[:]  # the start-up announcements, replayed to a new subscriber
+    expected = llm.generate(prompts_, params, use_tqdm=False)
+    unsubscribe()
+    assert {"preempt", "prefix_hit", "block_evict"} <= {e.kind for e in events}
+    bm = llm.scheduler.block_manager
+
+    for k in range(len(events)):
+        llm.reset_prefix_cache()
+        seen, armed = 0, False  # armed once the start-up announcements are replayed
+
+        def interrupt(event, k=k):
+            nonlocal seen
+            if armed:
+                seen += 1
+                if seen == k + 1:
+                    raise KeyboardInterrupt
+
+        unsubscribe = llm.events.subscribe(interrupt)
+        armed = True
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts_, params, use_tqdm=False)
+        unsubscribe()
+        assert llm.is_finished(), f"interrupt at event {k}: requests left in the engine"
+        assert not bm.used_block_ids and all(b.ref_count == 0 for b in bm.blocks), f"interrupt at event {k}: blocks held"
+        assert sorted(bm.free_block_ids) == list(range(bm.num_blocks))
+    llm.reset_prefix_cache()
+    assert llm.generate(prompts_, params, use_tqdm=False) == expected

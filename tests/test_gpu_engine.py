@@ -3,10 +3,10 @@
 bf16 kernels round differently, so free-running generations may part ways after a near-tie, and a
 bf16 logit of 14 is only resolved to 1/16. The check therefore teacher-forces transformers on the
 engine's own tokens twice, in float32 (the reference) and in bf16 with sdpa (the peer), and counts,
-at every position where the float32 top-2 gap is at least DESIGN.md's bf16 tolerance, how often each
+at every position where the float32 top-2 gap is at least the bf16 tolerance of docs/architecture.md §6, how often each
 bf16 implementation's argmax disagrees with the float32 one. The engine must disagree about as rarely
 as transformers' own bf16 path does (at most 1.5 times as often, plus 1% of positions), and near-tie
-exemptions must stay rare. DESIGN.md's plain rule (match the bf16 reference wherever its gap is at
+exemptions must stay rare. The plain rule of docs/architecture.md §6 (match the bf16 reference wherever its gap is at
 least 1e-2) cannot hold on random weights: transformers' bf16 path itself breaks it against its
 float32 twin at 2-15% of positions.
 """

@@ -74,13 +74,14 @@ def step_done(step: int, phase: str, num_seqs: int, num_tokens: int) -> Step:
     prefill = phase == "prefill"
     return Step(t=step + 0.5, step=step, phase=phase, num_seqs=num_seqs, num_prefill_tokens=num_tokens if prefill else 0,
                 num_decode_tokens=0 if prefill else num_tokens, duration_s=0.25, schedule_s=0, prepare_s=0,
-                forward_s=0, sample_s=0, postprocess_s=0, padded_batch_size=None)
+                launch_s=0, wait_s=0, postprocess_s=0, padded_batch_size=None, waiting=0, running=num_seqs,
+                free_blocks=4)
 
 
 def finished(step: int, rid: int, preemptions: int) -> RequestFinished:
     return RequestFinished(t=step + 0.6, step=step, request_id=rid, reason="length", prompt_tokens=40 if rid == 1 else 20,
                            cached_tokens=16 if rid == 1 else 0, output_tokens=3, num_preemptions=preemptions,
-                           arrival=0.0, first_scheduled=1.0, last_scheduled=1.0, first_token=2.6, finished=step + 0.6)
+                           arrival=0.0, first_scheduled=1.0, first_token=2.6, last_token=step + 0.5, finished=step + 0.6)
 
 
 def hand_made_run() -> list[Event]:
@@ -141,7 +142,7 @@ def test_step_and_request_rows():
 
 def test_a_recording_carries_its_workload_tags(tmp_path):
     events = [RequestArrived(t=0, step=0, request_id=10, prompt_tokens=4, max_tokens=1, temperature=0, arrival=0),
-              RequestRejected(t=0, step=0, request_id=11, reason="too long"),
+              RequestRejected(t=0, step=0, request_id=11, reason="too long", code="invalid"),
               RequestArrived(t=0, step=0, request_id=12, prompt_tokens=4, max_tokens=1, temperature=0, arrival=0)]
     with EventRecorder(tmp_path / "run.jsonl.gz", meta={"tags": ["first", "refused", "third"]}) as recorder:
         for e in events:

@@ -1,4 +1,4 @@
-"""The dependency direction of DESIGN.md: kernels <- models <- engine <- telemetry <- tui, experiments."""
+"""The layers of docs/architecture.md: kernels <- models <- engine <- telemetry <- serve <- tui, experiments."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def import_with_blocked(modules: list[str], blocked: set[str]) -> subprocess.Com
 def test_engine_never_imports_exporters_or_ui():
     result = import_with_blocked(
         ["engine", "engine.live", "engine.workloads", "engine.options", "engine.model_runner"],
-        {"prometheus_client", "opentelemetry", "textual", "telemetry", "tui", "experiments"},
+        {"prometheus_client", "opentelemetry", "textual", "fastapi", "starlette", "uvicorn", "telemetry", "serve",
+         "tui", "experiments"},
     )
     assert result.returncode == 0, result.stderr
 
@@ -31,11 +32,15 @@ def test_engine_never_imports_exporters_or_ui():
 def test_models_and_kernels_never_import_the_engine():
     result = import_with_blocked(
         ["models.qwen3", "models.loader", "models.checkpoint", "models.sampler", "kernels.reference"],
-        {"engine", "telemetry", "tui", "experiments"},
+        {"engine", "telemetry", "serve", "tui", "experiments"},
     )
     assert result.returncode == 0, result.stderr
 
 
-def test_the_blocker_blocks():
-    result = import_with_blocked(["engine"], {"engine"})
-    assert result.returncode != 0 and "blocked" in result.stderr
+
+def test_telemetry_never_imports_the_server_or_ui():
+    result = import_with_blocked(
+        ["telemetry.prometheus", "telemetry.tracing", "telemetry.recorder", "telemetry.options", "telemetry.__main__"],
+        {"textual", "fastapi", "starlette", "uvicorn", "serve", "tui", "experiments"},
+    )
+    assert result.returncode == 0, result.stderr

@@ -11,8 +11,9 @@ import pytest
 
 from engine.llm_engine import LLM
 from engine.live import LiveEngine, run_virtual
-from engine.options import LIVE_DEFAULTS, add_engine_args, add_workload_args, build_llm
+from engine.options import LIVE_DEFAULTS, add_engine_args, build_llm
 from engine.sampling_params import SamplingParams
+from engine.scheduler import QueueFullError
 from engine.workloads import WORKLOADS, Request, bench, make_workload, multi_turn
 
 
@@ -129,6 +130,31 @@ def test_submit_streams_tokens_and_arrivals_are_honoured(tiny_checkpoint):
     with pytest.raises(ValueError, match="empty"):
         bad.result(timeout=10)
     rejected.stop()
+
+
+def test_live_serving_bounds_its_waiting_queue(tiny_checkpoint):
+    """Live entry points refuse work beyond 256 waiting requests unless told otherwise; a refusal
+    finishes its handle with QueueFullError and leaves the rest served."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, **LIVE_DEFAULTS)
+    assert parser.parse_args([]).max_waiting_requests == 256
+    assert parser.parse_args(["--max-waiting-requests", "none"]).max_waiting_requests is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-waiting-requests", "0"])
+    llm = live_llm(tiny_checkpoint, max_waiting_requests=2)
+    assert llm.config.max_waiting_requests == 2
+    live = LiveEngine(llm)
+    live.pause()
+    live.start()
+    try:
+        handles = [live.submit([i + 1, i + 2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+                   for i in range(3)]
+        with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
+            handles[2].result(timeout=10)
+        live.resume()
+        assert [len(h.result(timeout=10)) for h in handles[:2]] == [3, 3]
+    finally:
+        live.stop()
 
 
 def test_pause_single_step_resume(tiny_checkpoint):

@@ -26,7 +26,7 @@ from models.qwen3 import Qwen3ForCausalLM
 
 BLOCK_SIZE = 16
 REL_TOL = 1e-4
-GAP_TOL = 1e-4  # DESIGN.md's greedy-equality rule for float32
+GAP_TOL = 1e-4  # the float32 greedy-equality rule (docs/architecture.md §6)
 VOCAB_LIMIT = 4000  # prompt ids below the special tokens
 
 
@@ -203,7 +203,7 @@ def test_greedy_generation_matches_transformers(model: Qwen3ForCausalLM, hf_mode
                 torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, eos_token_id=None, pad_token_id=0,
             )[0, len(prompt) :].tolist()
-        # Teacher-forced check (DESIGN.md): argmax must match wherever the reference's top-2 gap
+        # Teacher-forced check (docs/architecture.md §6): argmax must match wherever the reference's top-2 gap
         # is at least GAP_TOL.
         full = prompt + reference
         ref_logits = hf_logits(hf_model, full)

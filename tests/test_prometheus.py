@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import EventBus, RequestArrived
+from engine.events import REJECTION_CODES
 from telemetry.grafana import dashboard_exprs, metric_names
 from telemetry.prometheus import (
     ITERATION_TOKENS_BUCKETS,
@@ -17,7 +17,7 @@ from telemetry.prometheus import (
     PrometheusExporter,
     build_1_2_5_buckets,
 )
-from tests.synthetic_events import synthetic_events
+from tests.control_plane import CAPTURE_SECONDS, GRAPH_POOL_BYTES, workload_engine, workload_events
 
 MODEL = "glassbox-test"
 MAX_MODEL_LEN = 256
@@ -54,7 +54,8 @@ REQUIRED = {
     "vllm:iteration_tokens_total": ("histogram", set(), ITERATION_TOKENS_BUCKETS),
     "glassbox:dropped_events": ("counter", {"consumer"}, None),
     "glassbox:consumer_errors": ("counter", {"consumer"}, None),
-    "glassbox:rejected_requests": ("counter", set(), None),
+    "vllm:admission_rejections": ("counter", {"reason"}, None),
+    "glassbox:rejected_requests": ("counter", {"code"}, None),
     "glassbox:block_evictions": ("counter", set(), None),
     "glassbox:blocks_stored": ("counter", set(), None),
     "glassbox:prefill_chunks": ("counter", set(), None),
@@ -87,7 +88,12 @@ def value(families: dict, sample_name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def events():
-    return synthetic_events(rounds=2, max_model_len=MAX_MODEL_LEN)
+    """The real control plane's events (``tests.control_plane``), real ``perf_counter`` times."""
+    return workload_events(rounds=2, max_model_len=MAX_MODEL_LEN)
+
+
+def started(events):
+    return next(e for e in events if e.kind == "engine_started")
 
 
 @pytest.fixture()
@@ -140,8 +146,8 @@ def test_totals_agree_with_the_event_stream(exporter, events):
 
     assert value(fam, "vllm:generation_tokens_total") == sum(len(e.token_ids) for e in events if e.kind == "tokens")
     assert value(fam, "vllm:generation_tokens_total") == sum(e.output_tokens for e in finished)
-    started = {e.request_id for e in events if e.kind == "first_token"}
-    assert value(fam, "vllm:prompt_tokens_total") == sum(e.prompt_tokens for e in finished if e.request_id in started)
+    served = {e.request_id for e in events if e.kind == "first_token"}
+    assert value(fam, "vllm:prompt_tokens_total") == sum(e.prompt_tokens for e in finished if e.request_id in served)
     for reason, count in Counter(e.reason for e in finished).items():
         assert value(fam, "vllm:request_success_total", finished_reason=reason) == count
     assert value(fam, "vllm:prefix_cache_hits_total") == sum(e.hit_tokens for e in hits) > 0
@@ -155,18 +161,33 @@ def test_totals_agree_with_the_event_stream(exporter, events):
     )
     assert value(fam, "vllm:iteration_tokens_total_count") == len(steps)
     assert value(fam, "vllm:iteration_tokens_total_sum") == sum(e.num_prefill_tokens + e.num_decode_tokens for e in steps)
-    assert value(fam, "glassbox:rejected_requests_total") == kinds["request_rejected"] > 0
+    rejected = Counter(e.code for e in events if e.kind == "request_rejected")
+    assert rejected["invalid"] > 0
+    for code in REJECTION_CODES:
+        assert value(fam, "glassbox:rejected_requests_total", code=code) == rejected[code]
     assert value(fam, "glassbox:block_evictions_total") == kinds["block_evict"] > 0
     assert value(fam, "glassbox:blocks_stored_total") == sum(len(e.block_ids) for e in events if e.kind == "block_stored")
     assert value(fam, "glassbox:prefill_chunks_total") == sum(sum(e.chunked) for e in events if e.kind == "schedule") > 0
     assert value(fam, "glassbox:cudagraph_replays_total") == len(replays) > 0
-    assert value(fam, "glassbox:cudagraph_padded_slots_total") == sum(e.padded_batch_size - e.batch_size for e in replays)
+    assert value(fam, "glassbox:cudagraph_padded_slots_total") == sum(e.padded_batch_size - e.batch_size for e in replays) > 0
+    assert value(fam, "glassbox:cudagraph_capture_seconds") == CAPTURE_SECONDS
+    assert value(fam, "glassbox:cudagraph_pool_bytes") == GRAPH_POOL_BYTES
     for phase in ("prefill", "decode"):
-        assert value(fam, "glassbox:steps_total", phase=phase) == sum(e.phase == phase for e in steps)
+        of_phase = [e for e in steps if e.phase == phase]
+        assert value(fam, "glassbox:steps_total", phase=phase) == len(of_phase) > 0
+        assert value(fam, "glassbox:step_duration_seconds_count", phase=phase) == len(of_phase)
+        assert value(fam, "glassbox:step_duration_seconds_sum", phase=phase) == pytest.approx(
+            sum(e.duration_s for e in of_phase))
+        for stage in ("schedule", "prepare", "launch", "wait", "postprocess"):
+            assert value(fam, "glassbox:step_host_seconds_total", phase=phase, stage=stage) == pytest.approx(
+                sum(getattr(e, f"{stage}_s") for e in of_phase))
     info = [s for s in fam["vllm:cache_config_info"].samples]
     assert len(info) == 1 and info[0].value == 1
-    assert info[0].labels["block_size"] == "16" and info[0].labels["num_gpu_blocks"] == "16"
-    # The stream ends idle: the gauges must say so even though no schedule event follows the last finish.
+    engine = started(events)
+    assert info[0].labels["block_size"] == str(engine.block_size)
+    assert info[0].labels["num_gpu_blocks"] == str(engine.num_blocks)
+    # The stream ends idle, and its last step event says so.
+    assert (steps[-1].running, steps[-1].waiting, steps[-1].free_blocks) == (0, 0, engine.num_blocks)
     assert value(fam, "vllm:num_requests_running") == 0
     assert value(fam, "vllm:num_requests_waiting") == 0
     assert value(fam, "vllm:kv_cache_usage_perc") == 0
@@ -182,16 +203,28 @@ def test_intervals_follow_vllm_definitions(exporter, events):
     assert value(fam, "vllm:request_prefill_time_seconds_sum") == pytest.approx(
         sum(e.first_token - e.first_scheduled for e in served)
     )
-    assert value(fam, "vllm:time_to_first_token_seconds_sum") == pytest.approx(sum(e.first_token - e.arrival for e in served))
-    last_token = {}
+    # TTFT is observed when the first_token event arrives, stamped just after the request's first_token time.
+    first_token_event = {e.request_id: e.t for e in events if e.kind == "first_token"}
+    assert all(e.first_token <= first_token_event[e.request_id] for e in served)
+    assert value(fam, "vllm:time_to_first_token_seconds_sum") == pytest.approx(
+        sum(first_token_event[e.request_id] - e.arrival for e in served)
+    )
+    # Decode and inference end at the last token: when the postprocessing that landed it began (its
+    # tokens event follows, and so does an abort; a stop or length finish shares the time).
+    last_tokens_event = {}
     for e in events:
         if e.kind == "tokens":
-            last_token.update(dict.fromkeys(e.request_ids, e.t))
+            last_tokens_event.update(dict.fromkeys(e.request_ids, e.t))
+    assert all(e.first_token <= e.last_token <= min(last_tokens_event[e.request_id], e.finished) for e in served)
+    assert any(e.last_token < e.finished for e in served if e.reason == "abort")
     assert value(fam, "vllm:request_decode_time_seconds_sum") == pytest.approx(
-        sum(last_token[e.request_id] - e.first_token for e in served)
+        sum(e.last_token - e.first_token for e in served)
     )
     assert value(fam, "vllm:request_inference_time_seconds_sum") == pytest.approx(
-        sum(last_token[e.request_id] - e.first_scheduled for e in served)
+        sum(e.last_token - e.first_scheduled for e in served)
+    )
+    assert value(fam, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
+        sum((e.last_token - e.first_token) / (e.output_tokens - 1) if e.output_tokens > 1 else 0.0 for e in served)
     )
     for name in ("queue", "prefill", "decode", "inference"):
         assert value(fam, f"vllm:request_{name}_time_seconds_count") == len(served)
@@ -204,18 +237,70 @@ def test_gauges_follow_schedule_events(exporter, events):
     fam = scrape(exporter.url)
     assert value(fam, "vllm:num_requests_running") == sched.running
     assert value(fam, "vllm:num_requests_waiting") == sched.waiting
-    assert value(fam, "vllm:kv_cache_usage_perc") == pytest.approx(1 - sched.free_blocks / 16)
+    assert value(fam, "vllm:kv_cache_usage_perc") == pytest.approx(1 - sched.free_blocks / started(events).num_blocks)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gauges_equal_the_last_step_event_and_the_scheduler(exporter, overlap):
+    engine = workload_engine(overlap=overlap)
+    for i in range(8):
+        engine.add([i + 1] * 40, max_tokens=30)
+    for _ in range(5):
+        engine.step()
+    last = engine.events[-1]  # a step's own event comes after everything its results caused
+    assert last.kind == "step"
+    sched = engine.scheduler
+    counts = (len(sched.running), len(sched.waiting), sched.block_manager.num_free_blocks)
+    assert (last.running, last.waiting, last.free_blocks) == counts
+    assert last.running > 0 and last.waiting > 0 and 0 < last.free_blocks < sched.block_manager.num_blocks
+    feed(exporter, engine.events)
+    fam = scrape(exporter.url)
+    assert value(fam, "vllm:num_requests_running") == last.running
+    assert value(fam, "vllm:num_requests_waiting") == last.waiting
+    assert value(fam, "vllm:kv_cache_usage_perc") == pytest.approx(1 - last.free_blocks / sched.block_manager.num_blocks)
+
+
+def test_rejections_are_counted_by_code_and_a_full_queue_as_an_admission_rejection(exporter):
+    engine = workload_engine(max_waiting_requests=2)
+    refused = {"invalid": 0, "queue_full": 0}
+    for i in range(5):
+        for j in range(3):  # the third finds the queue full
+            try:
+                engine.add([i + 1, j + 1] * 10, max_tokens=4)
+            except ValueError:
+                refused["queue_full"] += 1
+        try:
+            engine.add([], max_tokens=4)
+        except ValueError:
+            refused["invalid"] += 1
+        engine.step()
+    engine.run()
+    assert refused["invalid"] == 5 and refused["queue_full"] >= 5
+    rejected = Counter(e.code for e in engine.events if e.kind == "request_rejected")
+    assert rejected == refused
+    feed(exporter, engine.events)
+    fam = scrape(exporter.url)
+    assert value(fam, "vllm:admission_rejections_total", reason="queue_full") == rejected["queue_full"]
+    for code in REJECTION_CODES:
+        assert value(fam, "glassbox:rejected_requests_total", code=code) == rejected[code]
 
 
 def test_bus_feeds_the_exporter_off_the_engine_thread():
-    bus = EventBus()
+    engine = workload_engine()
     with PrometheusExporter(MODEL) as exp:
-        exp.attach(bus)
-        for rid in range(3):
-            bus.emit(RequestArrived, request_id=rid, prompt_tokens=5, max_tokens=4, temperature=0.0, arrival=0.0)
+        exp.attach(engine.bus)  # a batch subscriber: the start-up announcements, then a batch per publish
+        for i in range(3):
+            engine.add([i + 1] * 30, max_tokens=5)
+        engine.step()
         assert exp.flush()
-        assert 'vllm:num_requests_waiting{engine="0",model_name="glassbox-test"} 3.0' in exp.exposition()
-    assert not bus.active
+        arrived_only = exp.exposition()
+        engine.run()
+        assert exp.flush()
+        text = exp.exposition()
+    assert 'vllm:num_requests_running{engine="0",model_name="glassbox-test"} 0.0' in arrived_only
+    assert 'vllm:cache_config_info{block_size="16"' in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="glassbox-test"} 15.0' in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="glassbox-test"} 3.0' in text
 
 
 def test_two_exporters_side_by_side(events):
@@ -260,6 +345,7 @@ def test_dashboard_reads_only_exported_metrics(exporter, events):
         "vllm:request_params_max_tokens",
         "vllm:request_prefill_kv_computed_tokens",
         "vllm:prompt_tokens_cached",
+        "vllm:admission_rejections",
     }
 
 

@@ -1,8 +1,10 @@
-"""A real Prometheus scrapes the exporter, and every query of the shipped Grafana dashboard answers.
+"""The ``/metrics`` endpoint: what it answers, how few threads it takes, and a real Prometheus
+scraping the exporter while every query of the shipped Grafana dashboard answers.
 
-Needs Debian's ``prometheus`` binary (``apt-get install -y prometheus``); without it this fails
-rather than skips, so CI cannot pass silently without the check."""
+The last needs Debian's ``prometheus`` binary (``apt-get install -y prometheus``); without it that
+test fails rather than skips, so CI cannot pass silently without the check."""
 
+import http.client
 import json
 import math
 import shutil
@@ -16,8 +18,9 @@ import urllib.request
 import pytest
 
 from telemetry.grafana import dashboard_exprs, substitute
+from telemetry.metrics_server import WORKERS, MetricsServer
 from telemetry.prometheus import PrometheusExporter
-from tests.synthetic_events import SyntheticEngine, run_workload
+from tests.control_plane import run_workload, workload_engine
 
 MODEL = "glassbox-prom-test"
 # Grafana's $__rate_interval is at least four scrape intervals; scraping every second, 5s works.
@@ -97,7 +100,7 @@ def _wait_for(check, what: str, deadline: float, log_path, base: str = "") -> No
 def test_dashboard_queries_answer_from_a_real_prometheus(prometheus, tmp_path):
     deadline = time.monotonic() + DEADLINE_S
     log_path = tmp_path / "prometheus.log"
-    engine = SyntheticEngine(max_model_len=256)
+    engine = workload_engine(max_model_len=256)
     generated = 0
     stop = threading.Event()
 
@@ -140,3 +143,119 @@ def test_dashboard_queries_answer_from_a_real_prometheus(prometheus, tmp_path):
         )  # fmt: skip
         for counter in ("vllm:prompt_tokens_total", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"):
             assert _finite_values(_query(base, counter))[0] > 0, counter
+
+
+# --- the endpoint ---------------------------------------------------------------------------------
+
+def _ask(host: str, port: int, method: str, path: str = "/metrics") -> http.client.HTTPResponse:
+    """One request on a fresh connection; the response is read in full before it returns."""
+    connection = http.client.HTTPConnection(host, port, timeout=5)
+    connection.request(method, path, body=b"x=1" if method in ("POST", "PUT", "PATCH") else None)
+    response = connection.getresponse()
+    response.body = response.read()  # type: ignore[attr-defined]
+    connection.close()
+    return response
+
+
+def _closed_by_server(conn: socket.socket) -> bool:
+    conn.settimeout(5)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture()
+def exporter():
+    with PrometheusExporter(MODEL, port=0) as exporter:
+        yield exporter
+
+
+def test_only_get_and_head_are_answered(exporter):
+    assert exporter.url == f"http://127.0.0.1:{exporter.port}/metrics"
+    for method in ("POST", "PUT", "DELETE", "TRACE", "PATCH", "OPTIONS"):
+        response = _ask("127.0.0.1", exporter.port, method)
+        assert (response.status, response.getheader("Allow")) == (405, "GET, HEAD"), method
+    get = _ask("127.0.0.1", exporter.port, "GET")
+    assert get.status == 200 and get.getheader("Content-Type") == "text/plain; version=0.0.4; charset=utf-8"
+    assert b"vllm:num_requests_running" in get.body
+    head = _ask("127.0.0.1", exporter.port, "HEAD")
+    assert head.status == 200 and head.body == b"" and int(head.getheader("Content-Length")) > 0
+    assert head.getheader("Content-Type") == get.getheader("Content-Type")
+    for method in ("GET", "HEAD"):
+        assert _ask("127.0.0.1", exporter.port, method, "/other").status == 404
+    assert _ask("127.0.0.1", exporter.port, "GET", "/").status == 200
+
+
+def test_idle_connections_take_no_thread_and_do_not_block_a_scrape(exporter):
+    baseline = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", exporter.port), timeout=5) for _ in range(50)]
+    try:
+        response = _ask("127.0.0.1", exporter.port, "GET")
+        assert response.status == 200 and b"vllm:num_requests_running" in response.body
+        assert threading.active_count() <= baseline
+        serving = [t for t in threading.enumerate() if t.name.startswith("glassbox-metrics-http")]
+        assert len(serving) <= WORKERS + 1  # the workers and the thread that watches the sockets
+    finally:
+        for conn in idle:
+            conn.close()
+
+
+def test_idle_and_stalled_connections_are_closed_after_the_idle_timeout():
+    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", "text/plain", idle_timeout=0.2)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+        stalled = socket.create_connection(("127.0.0.1", server.port))
+        stalled.sendall(b"GET /metr")  # a request that never finishes holds a worker only so long
+        assert all(_closed_by_server(conn) for conn in [*idle, stalled])
+        response = _ask("127.0.0.1", server.port, "GET")
+        assert (response.status, response.body) == (200, b"up 1\n")
+        for conn in [*idle, stalled]:
+            conn.close()
+    finally:
+        server.close()
+
+
+def test_past_max_connections_the_longest_idle_one_makes_room():
+    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", "text/plain", max_connections=4, idle_timeout=60)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        assert _ask("127.0.0.1", server.port, "GET").status == 200
+        assert _closed_by_server(idle[0])
+        for conn in idle:
+            conn.close()
+    finally:
+        server.close()
+
+
+def test_ipv6_and_close_releases_the_port():
+    exporter = PrometheusExporter(MODEL, host="::1", port=0)
+    port = exporter.port
+    assert exporter.url == f"http://[::1]:{port}/metrics"
+    assert _ask("::1", port, "GET").status == 200
+    idle = socket.create_connection(("::1", port))
+    exporter.close()
+    assert _closed_by_server(idle)
+    idle.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("::1", port), timeout=5)
+    with PrometheusExporter(MODEL, host="::1", port=port) as again:  # the port is free to serve again
+        assert _ask("::1", again.port, "GET").status == 200
+
+
+def test_a_failing_render_is_a_500_and_the_server_goes_on():
+    renders = iter([RuntimeError("collector broke"), b"up 1\n"])
+
+    def render() -> bytes:
+        result = next(renders)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    server = MetricsServer("127.0.0.1", 0, render, "text/plain", workers=1)
+    try:
+        assert _ask("127.0.0.1", server.port, "GET").status == 500
+        response = _ask("127.0.0.1", server.port, "GET")  # the one worker survived
+        assert (response.status, response.body) == (200, b"up 1\n")
+    finally:
+        server.close()

@@ -8,10 +8,14 @@ tokens equal exactly, here both to transformers' and to the single-rank engine's
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -144,6 +148,74 @@ def test_a_raising_worker_fails_the_engine_with_its_error(tiny_checkpoint, promp
         with pytest.raises(WorkerError, match="injected worker failure"):
             llm.generate(prompts[:1], greedy(2), use_tqdm=False)
     assert not dist.is_initialized()
+
+
+def socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(int(link[len("socket:["):-1]))
+    return inodes
+
+
+def listening_addresses(inodes: set[int]) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(address, port) of every TCP socket among ``inodes`` in state LISTEN (0A), from /proc/net."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or int(fields[9]) not in inodes:
+                continue
+            host, port = fields[1].split(":")
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+            found.append((ipaddress.ip_address(raw), int(port, 16)))
+    return found
+
+
+def is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address, as a struct ifreq
+
+
+def non_loopback_interface() -> str | None:
+    """An interface with a non-loopback IPv4 address, if this machine has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            # ifreq: 16 bytes of name, then a sockaddr_in (family, port, address).
+            if not ipaddress.ip_address(reply[20:24]).is_loopback:
+                return name
+    return None
+
+
+def test_every_socket_the_group_listens_on_is_loopback(tiny_checkpoint, monkeypatch):
+    # Without GLOO_SOCKET_IFNAME gloo binds the address the host name resolves to, loopback on some
+    # machines only; one left in the environment for other work must not move gloo off loopback
+    # either, and setting it to a real interface shows gloo's choice on any machine that has one.
+    # The store listens on every interface unless it is given a socket.
+    interface = non_loopback_interface()
+    if interface is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface)
+    before = socket_inodes(os.getpid())
+    with LLM(str(tiny_checkpoint), tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        (worker,) = llm.tp_group.worker_pids
+        rank0 = listening_addresses(socket_inodes(os.getpid()) - before)
+        rank1 = listening_addresses(socket_inodes(worker))
+        store_port = llm.tp_group._workers.store.port
+    # Rank 0: the store and gloo's listener; the worker: gloo's.
+    assert store_port in [port for _, port in rank0] and len(rank0) >= 2 and rank1
+    exposed = [f"{address}:{port}" for address, port in rank0 + rank1 if not is_loopback(address)]
+    assert not exposed, f"the tensor-parallel group listens beyond loopback on {exposed}"
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == interface  # the user's setting is back
 
 
 OTHER_ENGINE = """

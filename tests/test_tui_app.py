@@ -17,8 +17,8 @@ from textual.widgets import DataTable, RichLog
 
 from engine.events import Event
 from engine.options import build_llm
-from telemetry.recorder import read_recording
-from tests.synthetic_events import SyntheticEngine, run_workload
+from telemetry.recorder import EventRecorder, RecordingError, read_recording
+from tests.control_plane import run_workload, workload_engine, workload_events
 from tui.__main__ import make_parser
 from tui.app import MAX_EVENTS_PER_TICK, SEEK_STEPS, DashboardApp
 from tui.sources import EngineError, LiveSource, ReplaySource, ScriptedSource
@@ -91,7 +91,9 @@ def test_replay_step_seek_speed_and_pause():
             assert source.replayer.position == 0 and app.state.events_seen == 0
             await pilot.press("n", "n", "n", "n")  # step 0 (start-up), then steps 1 to 3
             await pilot.pause()
-            expected = reduced([e for e in events if e.step <= 3])
+            # An iteration ends where the next step's first event is recorded (step 3's own results
+            # land, with asynchronous scheduling, in iteration 4).
+            expected = reduced(events[:next(i for i, e in enumerate(events) if e.step > 3)])
             assert (app.state.last_step, app.state.refcounts, len(app.state.timeline)) == (
                 3, expected.refcounts, len(expected.timeline))
             await pilot.press("plus", "plus")
@@ -201,6 +203,49 @@ def test_engine_that_fails_to_start_is_shown_in_the_ui():
     run(go())
 
 
+def _cut_recording(path: Path) -> tuple[Path, int]:
+    """A gzipped recording of a run killed mid-write, and how many events it still holds whole."""
+    with EventRecorder(path) as recorder:
+        for event in workload_events(rounds=2):
+            recorder.put(event)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    readable = 0
+    with pytest.raises(RecordingError):
+        for _ in read_recording(path)[1]:
+            readable += 1
+    return path, readable
+
+
+def test_a_damaged_recording_replays_up_to_the_damage_and_shows_where(tmp_path):
+    path, readable = _cut_recording(tmp_path / "killed.jsonl.gz")
+    source = ReplaySource(path, speed=1000.0)  # autoplay, as ``python -m tui --replay`` does
+
+    async def go():
+        app = DashboardApp(source)
+        async with app.run_test(size=(120, 30)) as pilot:
+            await wait_for(pilot, lambda: app.state.error is not None, timeout=10)
+            await pilot.pause()
+            assert app.state.events_seen == readable > 0
+            assert app.state.error == f"{path}:{readable + 2}: the gzip stream ends early (the recording was cut off)"
+            banner = str(app.query_one("#error-banner").render())
+            assert banner.startswith("replay error: ") and "killed.jsonl.gz" in banner
+            assert any("the gzip stream ends early" in line.text for line in app.query_one(RichLog).lines)
+            assert app.is_running and "done" in source.status()
+
+    run(go())
+
+
+def test_replaying_a_file_that_is_not_a_recording_is_one_line_and_status_2(tmp_path, capsys):
+    path, _ = _cut_recording(tmp_path / "run.jsonl.gz")
+    path.write_bytes(path.read_bytes()[:12])  # cut inside the gzip stream, before the header line ends
+    from tui.__main__ import main
+
+    assert main(["--replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m tui: {path}:1: the gzip stream ends early (the recording was cut off)\n"
+
+
 # --- flood ----------------------------------------------------------------------------------------
 
 def _shifted(event: Event, k: int, dt: float, dstep: int, did: int) -> Event:
@@ -211,7 +256,7 @@ def _shifted(event: Event, k: int, dt: float, dstep: int, did: int) -> Event:
             changes[name] = getattr(event, name) + k * did
     if hasattr(event, "request_ids"):
         changes["request_ids"] = tuple(r + k * did for r in event.request_ids)
-    for name in ("arrival", "first_scheduled", "last_scheduled", "first_token", "finished"):
+    for name in ("arrival", "first_scheduled", "first_token", "last_token", "finished"):
         if getattr(event, name, None) is not None:
             changes[name] = getattr(event, name) + k * dt
     return dataclasses.replace(event, **changes)
@@ -229,10 +274,10 @@ class TimedApp(DashboardApp):
 
 
 def test_flood_of_100k_events_drains_in_bounded_ticks():
-    engine = SyntheticEngine(num_blocks=32, max_num_seqs=6)
+    engine = workload_engine(num_kvcache_blocks=32, max_num_seqs=6)
     base = engine.events + run_workload(engine, rounds=20)
     startup, body = base[:2], base[2:]
-    dt, dstep, did = body[-1].t - startup[0].t + 1.0, body[-1].step + 1, engine.next_id
+    dt, dstep, did = body[-1].t - startup[0].t + 1.0, body[-1].step + 1, 1 + max(e.request_id for e in base if hasattr(e, "request_id"))
     events = list(startup)
     k = 0
     while len(events) < 100_000:
@@ -251,7 +296,6 @@ def test_flood_of_100k_events_drains_in_bounded_ticks():
     app = asyncio.run(go())
     assert app.max_drain == MAX_EVENTS_PER_TICK  # a flood is taken in slices, never at once
     assert len(app.tick_seconds) >= 100_000 // MAX_EVENTS_PER_TICK
-    assert max(app.tick_seconds) < 2.0, f"slowest tick {max(app.tick_seconds):.2f}s"
     expected = reduced(events)
     state = app.state
     assert (state.refcounts, state.cached) == (expected.refcounts, expected.cached)

@@ -21,7 +21,7 @@ from engine.events import (
     Step,
     Tokens,
 )
-from tests.synthetic_events import SyntheticEngine, run_workload
+from tests.control_plane import FakeEngine, run_workload, workload_engine
 from tui.state import FINISHED_KEPT, BlockState, DashboardState, percentile
 
 
@@ -34,8 +34,8 @@ def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
 
 def step(n: int, t: float, phase: str = "decode", prefill: int = 0, decode: int = 1) -> Step:
     return Step(t=t, step=n, phase=phase, num_seqs=max(1, decode), num_prefill_tokens=prefill,
-                num_decode_tokens=decode, duration_s=0.01, schedule_s=0, prepare_s=0, forward_s=0, sample_s=0,
-                postprocess_s=0, padded_batch_size=None)
+                num_decode_tokens=decode, duration_s=0.01, schedule_s=0, prepare_s=0, launch_s=0, wait_s=0,
+                postprocess_s=0, padded_batch_size=None, waiting=0, running=decode, free_blocks=0)
 
 
 def fed(*events) -> DashboardState:
@@ -44,44 +44,55 @@ def fed(*events) -> DashboardState:
     return state
 
 
-def assert_blocks_match(state: DashboardState, engine: SyntheticEngine) -> None:
-    cached = set(engine.hash_to_block.values())
-    assert state.refcounts == engine.ref
-    assert state.cached == [b in cached for b in range(engine.num_blocks)]
+def assert_blocks_match(state: DashboardState, engine: FakeEngine) -> None:
+    """The reducer's picture of the pool is the block manager's own, block by block."""
+    bm = engine.scheduler.block_manager
+    cache_entries = set(bm.hash_to_block_id.values())
+    assert state.refcounts == [block.ref_count for block in bm.blocks]
+    assert state.cached == [block_id in cache_entries for block_id in range(bm.num_blocks)]
 
 
-def test_block_states_track_the_engine_exactly_step_by_step():
-    engine = SyntheticEngine(num_blocks=12, seed=3)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_block_states_track_the_block_manager_exactly_step_by_step(overlap):
+    engine = workload_engine(overlap=overlap, num_kvcache_blocks=12)
     state = DashboardState()
-    state.apply_all(engine.events)
     system = list(range(40))
     for i in range(6):
-        engine.add_request(system + [100 + i] * (5 + i), max_tokens=60 + 10 * i)
-    engine.add_request(list(range(200, 300)), max_tokens=8)
-    seen = len(engine.events)
-    while engine.waiting or engine.running:
+        engine.add(system + [100 + i] * (5 + i), max_tokens=60 + 10 * i)
+    engine.add(list(range(200, 300)), max_tokens=8)
+    seen = 0
+    while not engine.is_finished():
         engine.step()
         state.apply_all(engine.events[seen:])
         seen = len(engine.events)
         assert_blocks_match(state, engine)
     kinds = {e.kind for e in engine.events}
     assert {"block_evict", "preempt", "prefix_hit", "block_stored"} <= kinds  # the walk went everywhere
+    engine.scheduler.block_manager.reset_prefix_cache()
+    state.apply_all(engine.events[seen:])
+    assert_blocks_match(state, engine)
+    assert not any(state.cached)
 
 
-def test_whole_synthetic_workload_ends_consistent():
-    engine = SyntheticEngine(num_blocks=16, seed=1)
+def test_whole_workload_ends_consistent():
+    engine = workload_engine()
     events = run_workload(engine, rounds=3)
     state = DashboardState()
     state.apply_all(engine.events[: len(engine.events) - len(events)] + events)
     assert_blocks_match(state, engine)
     assert state.waiting == state.running == 0
-    assert state.num_rejected == 3
-    assert state.num_preemptions == sum(e.kind == "preempt" for e in events)
-    assert state.num_evictions == sum(e.kind == "block_evict" for e in events)
-    assert state.hit_tokens == sum(e.hit_tokens for e in events if e.kind == "prefix_hit")
-    assert state.num_graph_replays == sum(e.kind == "cudagraph_replay" for e in events)
+    assert state.num_rejected == sum(e.kind == "request_rejected" for e in events) == 3
+    assert state.num_finished == sum(e.kind == "request_finished" for e in events)
+    assert state.num_preemptions == sum(e.kind == "preempt" for e in events) > 0
+    assert state.num_evictions == sum(e.kind == "block_evict" for e in events) > 0
+    assert state.hit_tokens == sum(e.hit_tokens for e in events if e.kind == "prefix_hit") > 0
+    assert state.num_graph_replays == sum(e.kind == "cudagraph_replay" for e in events) > 0
+    assert state.num_chunks == sum(sum(e.chunked) for e in events if e.kind == "schedule") > 0
+    assert state.graph_batch_sizes == tuple(engine.graph_sizes) and state.graph_batch_sizes
     assert len(state.timeline) == sum(e.kind == "step" for e in events)
     assert len(state.ttfts) == sum(e.kind == "first_token" for e in events)
+    finished = [e for e in events if e.kind == "request_finished"]
+    assert len(state.itls) == sum(e.output_tokens for e in finished) - len(state.ttfts)
 
 
 def test_block_life_cycle_used_cached_evicted():
@@ -128,7 +139,7 @@ def test_request_lifecycle_in_the_table():
     assert row.cached_tokens == 32
     state.apply(RequestFinished(t=105, step=5, request_id=7, reason="length", prompt_tokens=40, cached_tokens=32,
                                 output_tokens=5, num_preemptions=1, arrival=101.0, first_scheduled=102.0,
-                                last_scheduled=104.0, first_token=102.5, finished=105.0))
+                                first_token=102.5, last_token=104.5, finished=105.0))
     assert (row.state, row.finished, row.generated, state.num_finished) == ("length", True, 5, 1)
     assert state.table_rows() == [row]
 
@@ -143,7 +154,7 @@ def test_finished_rows_are_bounded_and_newest_first():
     for rid in range(FINISHED_KEPT + 5):
         events.append(RequestFinished(t=102, step=1, request_id=rid, reason="stop", prompt_tokens=4, cached_tokens=0,
                                       output_tokens=1, num_preemptions=0, arrival=101.0, first_scheduled=101.5,
-                                      last_scheduled=101.5, first_token=102.0, finished=102.0))
+                                      first_token=102.0, last_token=102.0, finished=102.0))
     state = fed(*events)
     rows = state.table_rows()
     assert rows[0].request_id == 99 and not rows[0].finished  # live requests first
@@ -182,7 +193,7 @@ def test_feed_lists_hits_rejections_and_errors_in_order():
     state = fed(
         PrefixHit(t=101, step=1, request_id=1, query_tokens=40, hit_tokens=0, hit_block_ids=()),
         PrefixHit(t=101, step=1, request_id=2, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
-        RequestRejected(t=101, step=1, request_id=3, reason="prompt too long"),
+        RequestRejected(t=101, step=1, request_id=3, reason="prompt too long", code="invalid"),
         Preempt(t=102, step=2, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=4),
     )
     state.set_error("RuntimeError: boom")

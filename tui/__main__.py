@@ -15,6 +15,7 @@ from collections import deque
 from pathlib import Path
 
 from engine.options import LIVE_DEFAULTS, add_engine_args, add_workload_args, build_llm
+from telemetry.options import add_telemetry_args, open_consumers
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -26,43 +27,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(parser, **LIVE_DEFAULTS)
     add_workload_args(parser)
-    out = parser.add_argument_group("telemetry")
-    out.add_argument("--metrics-port", type=int, metavar="PORT",
-                     help="serve Prometheus /metrics on 127.0.0.1:PORT while the dashboard runs")
-    out.add_argument("--otlp-endpoint", metavar="URL",
-                     help="export one OpenTelemetry span per request over OTLP/HTTP, e.g. http://127.0.0.1:4318")
-    out.add_argument("--record", metavar="FILE", help="record every event to FILE (JSON lines; .gz compresses)")
+    add_telemetry_args(parser)
     replay = parser.add_argument_group("replay")
     replay.add_argument("--replay", metavar="FILE", help="play a recording instead of running an engine")
     replay.add_argument("--speed", type=float, default=1.0, help="replay speed (default: %(default)s; +/- change it)")
     return parser
-
-
-def _model_name(args: argparse.Namespace) -> str:
-    return Path(args.model).name if args.model else args.preset
-
-
-def _consumers(args: argparse.Namespace) -> list:
-    """Built before the UI starts, so a busy port or an unwritable file fails with a plain message."""
-    consumers = []
-    try:
-        if args.metrics_port is not None:
-            from telemetry.prometheus import PrometheusExporter
-
-            consumers.append(PrometheusExporter(_model_name(args), port=args.metrics_port))
-        if args.otlp_endpoint is not None:
-            from telemetry.tracing import RequestTracer
-
-            consumers.append(RequestTracer(otlp_endpoint=args.otlp_endpoint, model_name=_model_name(args)))
-        if args.record is not None:
-            from telemetry.recorder import EventRecorder
-
-            consumers.append(EventRecorder(args.record, meta={"workload": args.workload, "seed": args.seed}))
-    except BaseException:
-        for consumer in consumers:
-            consumer.close()
-        raise
-    return consumers
 
 
 class _HeldLog(logging.Handler):
@@ -95,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             source = ReplaySource(args.replay, speed=args.speed)
         else:
-            consumers = _consumers(args)
+            # Opened before the UI starts, so a busy port or an unwritable file fails with a plain message.
+            consumers = open_consumers(args, model_name=Path(args.model).name if args.model else args.preset,
+                                       meta={"workload": args.workload, "seed": args.seed})
             source = LiveSource(lambda: build_llm(args), args.workload, seed=args.seed, rate=args.rate,
                                 consumers=consumers)
     except (OSError, ValueError) as exc:
@@ -122,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.record:
             print(f"recorded {consumers[-1].events_written} events to {args.record}")
     if app.state.error is not None:
-        print(f"the engine stopped: {app.state.error}", file=sys.stderr)
+        print(f"the {'replay' if args.replay else 'engine'} stopped: {app.state.error}", file=sys.stderr)
         return 1
     return 0
 

@@ -122,7 +122,7 @@ class DashboardApp(App[None]):
                 self._feed.reset()
             elif isinstance(item, EngineError):
                 self.state.set_error(item.message)
-                self.notify(item.message, title="engine stopped", severity="error", timeout=10)
+                self.notify(item.message, title=f"{self._what_stops()} stopped", severity="error", timeout=10)
             else:
                 self.state.apply(item)
 
@@ -137,9 +137,13 @@ class DashboardApp(App[None]):
                 return
             self._banner.set_class(state.error is not None, "visible")
             if state.error is not None:
-                self._banner.update(f"engine error: {state.error}   (q quits)")
+                self._banner.update(f"{self._what_stops()} error: {state.error}   (q quits)")
             for panel in self._panels:
                 panel.show(state)
+
+    def _what_stops(self) -> str:
+        # A replay's error is a damaged recording, not the engine that made it.
+        return "replay" if self.source.mode == "replay" else "engine"
 
     # --- keys -----------------------------------------------------------------------------------
 

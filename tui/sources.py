@@ -2,8 +2,8 @@
 
 Either way events land in an ``EventBuffer`` that the UI drains on a timer. The producer only
 appends (a deque append is atomic under the GIL), so the engine never waits for the UI. Control
-markers (``Reset`` after a backward seek, ``EngineError``) travel through the same buffer so they
-stay in order with the events around them.
+markers (``Reset`` after a backward seek, ``EngineError`` from a failed engine or a damaged
+recording) travel through the same buffer so they stay in order with the events around them.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Union
 
 from engine.events import Event
 from engine.workloads import WORKLOADS, Request, make_workload
+from telemetry.recorder import Replayer
 
 if TYPE_CHECKING:
     from engine.live import LiveEngine
     from engine.llm_engine import LLMEngine
     from telemetry.event_queue import Consumer
-    from telemetry.recorder import Replayer
 
 BUFFER_CAPACITY = 1 << 20  # a full minute of the fastest engine; past this the UI counts drops
 RATE_STEP = 1.5
@@ -269,18 +269,20 @@ class LiveSource(Source):
 
 
 class ReplaySource(Source):
-    """Plays a recording through ``telemetry.recorder.Replayer``: pause, single step, seek, speed."""
+    """Plays a recording through ``telemetry.recorder.Replayer``: pause, single step, seek, speed.
+
+    A recording that is not one raises here (``RecordingError`` or ``OSError``); a damaged one plays
+    up to the damage, which then shows as an ``EngineError`` naming the file and line."""
 
     mode = "replay"
     _ACTIONS = frozenset({"toggle_pause", "step", "faster", "slower", "seek_back", "seek_forward"})
 
     def __init__(self, path: str | Path, speed: float = 1.0, autoplay: bool = True) -> None:
-        from telemetry.recorder import Replayer
-
         super().__init__()
         self.path = Path(path)
         self.speed = speed
-        self.replayer: Replayer = Replayer(self.path, self.buffer.put, on_reset=lambda: self.buffer.put(Reset()))
+        self.replayer: Replayer = Replayer(self.path, self.buffer.put, on_reset=lambda: self.buffer.put(Reset()),
+                                           on_error=lambda exc: self.buffer.put(EngineError(str(exc))))
         steps = self.replayer.steps
         self.last_step = steps[-1] if steps else 0
         self.paused = not autoplay

@@ -32,6 +32,7 @@ def main() -> None:
     with EventRecorder(OUT, meta={"workload": args.workload, "seed": args.seed, "steps": args.steps}) as recorder:
         recorder.attach(llm.events)
         run_virtual(llm, build_workload(args, llm.model_config.vocab_size), max_steps=args.steps)
+        llm.drain()  # the last step lands and its events are published before the recording closes
     print(f"{OUT}: {recorder.events_written} events; {dict(kinds)}")
 
 

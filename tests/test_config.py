@@ -1,0 +1,44 @@
+"""Engine and request configuration: what is refused, and that the error names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import Config, ConfigError
+from engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("kvcache_block_size", 24), ("kvcache_block_size", 8), ("max_num_seqs", 0), ("max_model_len", 0),
+    ("gpu_memory_utilization", 1.5), ("tensor_parallel_size", 9), ("num_kvcache_blocks", 0),
+    ("device", "tpu"), ("dtype", "int8"), ("max_num_batched_tokens", 0),
+    ("max_waiting_requests", 0), ("max_waiting_requests", -3),
+])
+def test_config_errors_name_the_field_and_value(field, value):
+    with pytest.raises(ConfigError, match=f"{field}={value!r} is invalid"):
+        Config(**{field: value})
+
+
+def test_any_power_of_two_block_size_from_16_is_accepted():
+    for bs in (16, 32, 64, 128, 256, 512):
+        assert Config(kvcache_block_size=bs).kvcache_block_size == bs
+
+
+def test_max_waiting_requests_is_unbounded_or_at_least_one():
+    assert Config(max_waiting_requests=None).max_waiting_requests is None
+    assert Config(max_waiting_requests=1).max_waiting_requests == 1
+    with pytest.raises(ConfigError, match="max_waiting_requests=0 is invalid: must be None"):
+        Config(max_waiting_requests=0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_temperature_zero_is_allowed():
+    assert SamplingParams(temperature=0).temperature == 0
