@@ -9,7 +9,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU wheel first: a bare `torch` requirement would pull gigabytes of CUDA packages.
+	# torch first, pinned, so that the project's loose `torch>=2.4` never picks another one. Where a
+	# local CPU wheel is staged (this project's machines and CI) that is what pip takes; from PyPI
+	# alone it is the CUDA build (several GB, and it runs on the CPU as well). For the small
+	# CPU-only build, install torch==2.13.0 from PyTorch's CPU wheel index into .venv first.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,otlp]'
 	touch $(STAMP)
