@@ -4,7 +4,8 @@ The engine is not thread-safe, so only the loop thread touches it; other threads
 through a command queue (submit, pause, resume, single step, rate, inject) and read results from
 ``RequestHandle`` objects. Arrivals follow a *workload clock* that advances only while the loop is
 running, at ``rate_scale`` times real time: pausing freezes arrivals too, and doubling the rate
-halves every future gap.
+halves every future gap. With an ``ArrivalPacer`` the clock runs at ``rate_scale`` times the pacer's
+pace instead, so that ``rate_scale`` 1 offers about what the engine serves.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from engine.events import Event, RequestFinished, Tokens
 from engine.llm_engine import LLMEngine, Prompt
 from engine.sampling_params import SamplingParams
-from engine.workloads import Request
+from engine.workloads import ArrivalPacer, Request
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,12 @@ class LiveEngine:
     """``with LiveEngine(llm, workload) as live: ...`` runs ``llm`` until the block exits."""
 
     def __init__(self, llm: LLMEngine, workload: Iterable[Request] | None = None, rate_scale: float = 1.0,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, pacer: ArrivalPacer | None = None) -> None:
         self.llm = llm
         self.on_error = on_error
         self.error: BaseException | None = None
         self.rate_scale = rate_scale
+        self.pacer = pacer
         self.paused = False
         self.workload_time = 0.0
         self.num_submitted = 0
@@ -189,7 +191,13 @@ class LiveEngine:
             candidates.append((self._pending[0][0], self._pending[0][2]))
         return min(candidates, key=lambda c: c[0]) if candidates else None
 
-    def _admit(self, request: Request) -> None:
+    @property
+    def clock_rate(self) -> float:
+        """Workload seconds per second of running: ``rate_scale``, times the pacer's pace if known."""
+        pace = self.pacer.pace if self.pacer is not None else None
+        return self.rate_scale if pace is None else self.rate_scale * pace
+
+    def _admit(self, at: float, request: Request) -> None:
         if request is self._next_request:
             self._next_request = None
         else:
@@ -199,6 +207,8 @@ class LiveEngine:
         except ValueError:
             return  # request_rejected was emitted; a bad workload request never stops the loop
         self.num_submitted += 1
+        if self.pacer is not None:
+            self.pacer.offered(at, request)
         if request.next_turn is not None:
             self._followups[request_id] = request
 
@@ -209,7 +219,7 @@ class LiveEngine:
                 if not bring_forward:
                     return
                 self.workload_time = at
-            self._admit(request)
+            self._admit(at, request)
             bring_forward = False
 
     def _follow_up(self, outputs: list[tuple[int, list[int]]]) -> None:
@@ -229,7 +239,7 @@ class LiveEngine:
                 now = time.perf_counter()
                 single = self.paused and self._single_steps > 0
                 if not self.paused:
-                    self.workload_time += (now - last) * self.rate_scale
+                    self.workload_time += (now - last) * self.clock_rate
                 last = now
                 if self.paused and not single:
                     self._follow_up(self.llm.drain())  # a paused engine shows every launched step landed
@@ -243,9 +253,11 @@ class LiveEngine:
                     continue
                 if single:
                     self._single_steps -= 1
-                outputs, _ = self.llm.step()
+                began = time.perf_counter()
+                outputs, num_tokens = self.llm.step()
                 if single:  # a single step is shown whole: its tokens land before the engine pauses
                     outputs += self.llm.drain()
+                self._served(time.perf_counter() - began, num_tokens)
                 self._follow_up(outputs)
         except BaseException as exc:  # reported, never swallowed: the loop stops and says why
             self.error = exc
@@ -254,6 +266,10 @@ class LiveEngine:
                 self.on_error(exc)
         finally:
             self._release(self.error)
+
+    def _served(self, busy_s: float, num_tokens: int) -> None:
+        if self.pacer is not None:  # a decode step reports minus its batch size: one token each
+            self.pacer.served(busy_s, abs(num_tokens), len(self.llm.scheduler.waiting))
 
     def _release(self, error: BaseException | None) -> None:
         for seq in [*self.llm.scheduler.waiting, *self.llm.scheduler.running]:
@@ -271,21 +287,24 @@ _HANDLERS: dict[type[Event], Callable[[LiveEngine, Any], None]] = {
 }
 
 
-def run_virtual(llm: LLMEngine, workload: Iterable[Request], max_steps: int, seconds_per_step: float = 0.05) -> int:
+def run_virtual(llm: LLMEngine, workload: Iterable[Request], max_steps: int, seconds_per_step: float = 0.05,
+                pacer: ArrivalPacer | None = None) -> int:
     """Run ``workload`` synchronously on a virtual clock that advances ``seconds_per_step`` per step.
 
-    Deterministic (no threads, no wall-clock), for tests and labs. Stops after ``max_steps`` or when
-    the workload is exhausted and every request finished; returns the number of steps taken.
+    Deterministic (no threads, no wall-clock), for tests and labs. Every step counts as
+    ``seconds_per_step`` of busy time, for ``pacer`` too. Stops after ``max_steps`` or when the
+    workload is exhausted and every request finished; returns the number of steps taken.
     """
-    live = LiveEngine(llm, workload)
+    live = LiveEngine(llm, workload, pacer=pacer)
     try:
         for step in range(max_steps):
             if llm.is_finished() and live._peek_arrival() is None:
                 return step  # nothing running and nothing left to arrive
             live._feed_arrivals(bring_forward=llm.is_finished())
-            outputs, _ = llm.step()
+            outputs, num_tokens = llm.step()
+            live._served(seconds_per_step, num_tokens)
             live._follow_up(outputs)
-            live.workload_time += seconds_per_step
+            live.workload_time += seconds_per_step * live.clock_rate
         return max_steps
     finally:
         live._unsubscribe()

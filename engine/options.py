@@ -1,14 +1,23 @@
 """The engine options every entry point shares (`python -m telemetry`, `python -m tui`, each lab).
 
-Defined once here: ``add_engine_args`` adds them to a parser, ``build_llm`` turns parsed arguments
-into an ``LLM``. Entry points pass their own defaults (the dashboard wants a small pool so that
-every mechanism shows quickly; the bench wants the real thing).
+Defined once here: ``add_engine_args`` adds them to a parser, ``parse_checked`` parses and checks
+them before anything is loaded, ``build_llm`` turns them into an ``LLM``. Entry points pass their own
+defaults (the dashboard wants a small pool so that every mechanism shows quickly; the bench wants
+the real thing). A usage error ends any entry point the same way: one line, ``error: ...``, on
+stderr and exit status 2, as argparse's own errors do; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from engine.config import Config, ConfigError
+from models.errors import CheckpointError
 
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
 
@@ -36,6 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no host/GPU overlap)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
     parser.set_defaults(**defaults)
 
 
@@ -62,6 +72,72 @@ def add_workload_args(parser: argparse.ArgumentParser, workload: str = "mixed", 
                    help="stop after this long" + (" (default: %(default)s)" if duration else " (default: run until interrupted)"))
 
 
+class OptionError(ValueError):
+    """An option (or a combination of them) that cannot work; the message names it and what would."""
+
+
+def option_error(exc: OSError | ValueError) -> OptionError:
+    """An error from opening what an option names (a port, a file, an endpoint), as an ``OptionError``
+    with the same text, less the "[Errno N]" that an ``OSError`` puts first."""
+    return OptionError(getattr(exc, "strerror", None) or str(exc))
+
+
+# What the user can fix: reported in one line. Anything else is a bug and keeps its traceback.
+USAGE_ERRORS = (OptionError, ConfigError, CheckpointError)
+
+# Config fields whose option is not named after them.
+_RENAMED = {"kvcache_block_size": "--block-size", "num_kvcache_blocks": "--num-blocks"}
+# Options (by dest) that must be positive wherever an entry point defines them.
+_POSITIVE = ("rate", "duration", "interval", "speed", "num_requests", "ab_runs")
+
+
+@contextmanager
+def reported_errors(args: argparse.Namespace) -> Iterator[None]:
+    """A usage error raised inside ends the program: ``error: ...`` on stderr, exit status 2
+    (``SystemExit``, like argparse). Under ``--debug`` it propagates with its traceback."""
+    try:
+        yield
+    except USAGE_ERRORS as exc:
+        if args.debug:
+            raise
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def parse_checked(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, then check everything that can be checked before a model is made or loaded."""
+    args = parser.parse_args(argv)
+    with reported_errors(args):
+        check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise a usage error for what would otherwise fail only after loading: the engine's ``Config``
+    is built from the options, the checkpoint's config and weight files are found, numbers that must
+    be positive are. Cheap: nothing is made, loaded or allocated."""
+    try:
+        Config(model=args.model or "", **_engine_kwargs(args))
+    except ConfigError as exc:  # "field=value is invalid: ...", said with the option's name instead
+        field, _, rest = str(exc).partition("=")
+        raise OptionError(f"{_RENAMED.get(field, '--' + field.replace('_', '-'))} {rest}") from exc
+    for name in _POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            raise OptionError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OptionError("--device cuda: no CUDA device is available here (leave --device out to use the CPU)")
+    if args.model:
+        from models.config import load_qwen3_config
+        from models.loader import checkpoint_files
+
+        load_qwen3_config(args.model)
+        checkpoint_files(args.model)
+
+
 def model_dir(args: argparse.Namespace) -> Path:
     """The checkpoint to serve: ``--model`` as given, or the preset's, made if missing."""
     if args.model:
@@ -71,16 +147,26 @@ def model_dir(args: argparse.Namespace) -> Path:
     return ensure_checkpoint(args.preset, seed=args.seed)
 
 
+def model_name(args: argparse.Namespace) -> str:
+    """The served model's name for labels and headers, known before its checkpoint is made."""
+    return Path(args.model).name if args.model else args.preset
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options as ``Config`` fields: what ``check_args`` validates is what ``build_llm`` builds."""
+    return dict(device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
+                num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                max_waiting_requests=args.max_waiting_requests,
+                enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                enable_prefix_caching=not args.no_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size)
+
+
 def build_llm(args: argparse.Namespace):
     from engine.llm_engine import LLM
 
-    return LLM(str(model_dir(args)), device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
-               num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               max_waiting_requests=args.max_waiting_requests,
-               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-               enable_prefix_caching=not args.no_prefix_caching,
-               tensor_parallel_size=args.tensor_parallel_size)
+    return LLM(str(model_dir(args)), **_engine_kwargs(args))
 
 
 def build_workload(args: argparse.Namespace, vocab_size: int):

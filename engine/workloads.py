@@ -16,11 +16,19 @@ same name, parameters and seed always give the same requests.
 Lengths are ``(low, high)`` inclusive ranges drawn uniformly. Token ids are drawn below the model's
 vocabulary (``vocab_size``); ``bench`` draws its ids exactly as nano-vllm does and folds them into a
 smaller vocabulary only when the model's is smaller than 10,001 (the tiny preset).
+
+A workload's own rate suits one machine only. ``ArrivalPacer`` fits it to the engine that serves it:
+it compares the work the engine serves per busy second with the work the workload offers per
+second of its clock, and says how fast that clock should run so that arrivals sit just above
+capacity and the waiting queue stays short (see its docstring).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -144,6 +152,82 @@ def mixed(vocab_size: int, seed: int = 0, rate: float = 6.0) -> Iterator[Request
             sp = SamplingParams(temperature=0.8, max_tokens=rng.choice([1, 8, 32, 96, 256]))
             tag = "short"
         yield Request(t, prompt, sp, tag=tag)
+
+
+class ArrivalPacer:
+    """How fast a workload's clock should run (a multiple of real time) to keep the engine just busy.
+
+    Work is counted in tokens: a request offers ``len(prompt) + max_tokens``, a step serves the
+    tokens it computes. Capacity ``S`` is the engine's served tokens per *busy* second (an
+    exponential average over ``window_s`` of busy time; idle time would make a fast engine look
+    slow), the offered rate ``W`` is the work per workload-clock second of the last ``horizon``
+    arrivals. ``S / W`` workload seconds per second would offer exactly what the engine serves;
+    the pace is that times a queue term ``1 + headroom * (1 - waiting / target_waiting)``: above
+    capacity (×1.25) while the queue is empty, so an idle engine is driven until it saturates (the
+    busy-second rate of small batches understates what large ones serve), balanced at
+    ``target_waiting``, and zero at ``target_waiting * (1 + 1 / headroom)`` waiting: arrivals stop
+    until the queue drains, whatever the estimates got wrong (cache hits, recomputation after
+    preemption and early stops make tokens an approximate measure of work).
+
+    Called on the thread that drives the engine; ``pace`` is a float another thread may read.
+    """
+
+    def __init__(self, target_waiting: int = 8, headroom: float = 0.25, window_s: float = 5.0,
+                 horizon: int = 64, min_arrivals: int = 8, sample_s: float = 0.25) -> None:
+        self.target_waiting = target_waiting
+        self.headroom = headroom
+        self.window_s = window_s
+        self.min_arrivals = min_arrivals
+        self.sample_s = sample_s
+        self.pace: float | None = None  # None until both rates are known: run at the workload's own
+        self.capacity: float | None = None  # served tokens per busy second
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=horizon)
+        self._busy = 0.0
+        self._tokens = 0
+        self._waiting = 0
+
+    @property
+    def max_waiting(self) -> float:
+        """The queue length at which arrivals stop."""
+        return self.target_waiting * (1 + 1 / self.headroom)
+
+    def offered(self, at: float, request: Request) -> None:
+        """``request`` arrived at ``at`` seconds of the workload clock (in order of ``at``)."""
+        self._arrivals.append((at, len(request.prompt_token_ids) + request.sampling_params.max_tokens))
+        self._update()
+
+    def forget_arrivals(self) -> None:
+        """A different workload starts: its rate has nothing to do with the last one's."""
+        self._arrivals.clear()
+        self._update()
+
+    def served(self, busy_s: float, tokens: int, waiting: int) -> None:
+        """A step took ``busy_s`` seconds, computed ``tokens`` tokens and left ``waiting`` queued."""
+        self._busy += busy_s
+        self._tokens += tokens
+        self._waiting = waiting
+        if self._busy >= self.sample_s:
+            rate = self._tokens / self._busy
+            weight = 1 - math.exp(-self._busy / self.window_s)
+            self.capacity = rate if self.capacity is None else self.capacity + weight * (rate - self.capacity)
+            self._busy, self._tokens = 0.0, 0
+        self._update()
+
+    def _offered_rate(self) -> float | None:
+        if len(self._arrivals) < self.min_arrivals:
+            return None
+        span = self._arrivals[-1][0] - self._arrivals[0][0]
+        if span <= 0:
+            return None  # all at once (bench): there is no rate to fit
+        return sum(work for _, work in itertools.islice(self._arrivals, 1, None)) / span
+
+    def _update(self) -> None:
+        offered = self._offered_rate()
+        if offered is None or self.capacity is None:
+            self.pace = None
+            return
+        queue_term = max(0.0, 1 + self.headroom * (1 - self._waiting / self.target_waiting))
+        self.pace = self.capacity * queue_term / offered
 
 
 WORKLOADS: dict[str, Callable[..., Iterator[Request]]] = {

@@ -32,7 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine.events import Step  # noqa: E402
-from engine.options import add_engine_args, build_llm, model_dir  # noqa: E402
+from engine.options import (  # noqa: E402
+    OptionError,
+    add_engine_args,
+    build_llm,
+    model_dir,
+    parse_checked,
+    reported_errors,
+)
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.workloads import bench as bench_workload  # noqa: E402
 from models.config import Qwen3Config, load_qwen3_config  # noqa: E402
@@ -116,10 +123,17 @@ def decode_by_batch(timeline: list[tuple], step_reads: list[tuple[int, int]], ba
 _STEP_PARTS = ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")
 
 
+def progress(message: str) -> None:
+    """A phase starting, on stderr: the results on stdout stay a clean report."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
 def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telemetry: bool,
               record: Path | None = None) -> dict:
     """One timed ``generate`` of the workload, with the Prometheus exporter and the recorder attached
-    or with nothing listening at all (then no event is even built, and no step breakdown exists)."""
+    or with nothing listening at all (then no event is even built, and no step breakdown exists).
+    On the CPU, where a run takes minutes, it shows the engine's progress bar (on a GPU the bar's
+    updates would be timed too)."""
     consumers, steps = [], []
     if telemetry:
         from telemetry.prometheus import PrometheusExporter
@@ -134,7 +148,7 @@ def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telem
     if llm.model_runner.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=llm.model_runner.device.type != "cuda")
     seconds = time.perf_counter() - t
     if telemetry:
         unsubscribe()
@@ -153,14 +167,18 @@ def timed_run(llm, prompts: list[list[int]], params: list[SamplingParams], telem
 
 
 def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]):
+    progress("loading the engine")
     llm = build_llm(args)
+    progress("warm-up")
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # nano-vllm's warm-up call
+    progress(f"timed run: {len(prompts)} requests, {sum(p.max_tokens for p in params):,} output tokens")
     result = timed_run(llm, prompts, params, telemetry=not args.no_telemetry, record=args.record)
     result.update(num_blocks=llm.config.num_kvcache_blocks, backend=llm.model_runner.backend.name,
                   cuda_graphs=bool(llm.model_runner.graphs))
     if args.ab:
         runs = {True: [], False: []}
-        for _ in range(args.ab_runs):
+        for i in range(args.ab_runs):
+            progress(f"--ab {args.ab}: runs {i + 1} of {args.ab_runs}, on and off")
             for on in (True, False):
                 if args.ab == "async-scheduling":
                     llm.config.async_scheduling = on
@@ -171,6 +189,7 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
         result["ab"] = {"feature": args.ab, "on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
                         "median_off": off, "on_vs_off": on / off - 1}
     if args.profile:
+        progress("profiling")
         result["profile"] = profile_steps(llm, prompts, params)
     return result, llm
 
@@ -266,10 +285,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="then profile the GPU time of 20 full-batch decode steps")
     parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args(argv)
-    if args.profile and not torch.cuda.is_available():
-        parser.error("--profile measures GPU kernels: it needs CUDA")
+    args = parse_checked(parser, argv)
+    with reported_errors(args):
+        on_gpu = torch.cuda.is_available() and args.device != "cpu"
+        if args.profile and not on_gpu:
+            raise OptionError("--profile measures GPU kernels: it needs CUDA")
+        if not torch.cuda.is_available() and args.device != "cpu":
+            raise OptionError(cpu_refusal(args))
+        return run(args)
 
+
+def cpu_refusal(args: argparse.Namespace) -> str:
+    """Why a run without CUDA needs ``--device cpu``: with a rough idea of how long it would take."""
+    tokens = sum(r.sampling_params.max_tokens for r in bench_workload(num_requests=args.num_requests))
+    # Measured on two cores: the tiny preset ~190 tok/s over the default workload (12 minutes), qwen3-0.6b
+    # ~4 tok/s at batch 2; larger models only slower.
+    tiny = args.preset == "tiny" and not args.model
+    how_long = f"about {max(1, round(tokens / 190 / 60))} minutes" if tiny else "hours"
+    return (f"bench.py is a GPU yardstick and finds no CUDA device; on the CPU its workload ({args.num_requests} "
+            f"requests, {tokens:,} output tokens of {args.model or args.preset}) would take {how_long}. Pass "
+            f"--device cpu to run it anyway (--device cpu --preset tiny --num-requests 16: under a minute)")
+
+
+def run(args: argparse.Namespace) -> int:
+    progress(f"checkpoint {args.model or args.preset}" + ("" if args.model else " (made on first use)"))
     vocab_size = load_qwen3_config(model_dir(args)).vocab_size
     requests = list(bench_workload(vocab_size, seed=0, num_requests=args.num_requests))
     # Copy bandwidth before anything is loaded and again beside the engine after its runs (its pool

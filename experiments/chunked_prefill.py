@@ -92,15 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         start = next(e.step for e in rec.events if type(e) is PrefixHit and e.request_id == long_id)
         steps = common.step_rows(rec)
         axes[0][0].step([s["step"] - start for s in steps], [s["prefill_tokens"] + s["decode_tokens"] for s in steps],
-                        where="mid", label=f"budget {row['budget']}")
+                        where="mid")
         watched = next(rid for rid, tag in rec.tags.items() if tag == "running")
         produced = [e.step - start for e in rec.events if type(e) is Tokens and watched in e.request_ids]
-        axes[0][1].step(produced, range(1, len(produced) + 1), where="post", marker=".", label=f"budget {row['budget']}")
+        axes[0][1].step(produced, range(1, len(produced) + 1), where="post", marker=".", label=str(row["budget"]))
     axes[0][0].set(title="tokens per step", xlabel="step (0 = long prompt admitted)", ylabel="tokens", yscale="log")
     axes[0][1].set(title="a running request's tokens: flat = stalled", xlabel="step (0 = long prompt admitted)",
                    ylabel="tokens generated")
-    axes[0][0].legend()
-    axes[0][1].legend()
+    # The log scale's ticks are powers of ten already; every other axis counts steps or tokens.
+    common.integer_ticks(axes[0][0].xaxis, axes[0][1].xaxis, axes[0][1].yaxis)
+    common.legend_outside(axes[0][1], title="budget\n(both plots)")
     return common.report(args, {"budgets": table}, checks, recordings, fig)
 
 

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 # Figures are built without pyplot: no global backend, no window, and savefig draws PNGs with Agg.
+from matplotlib.axes import Axes
+from matplotlib.axis import Axis
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from engine.events import (
     Event,
@@ -40,7 +43,7 @@ from engine.events import (
 )
 from engine.live import run_virtual
 from engine.llm_engine import LLM
-from engine.options import add_engine_args, build_llm
+from engine.options import add_engine_args, build_llm, parse_checked, reported_errors
 from engine.sampling_params import SamplingParams
 from engine.workloads import Request
 from telemetry.recorder import EventRecorder, read_recording
@@ -53,22 +56,27 @@ SEPARATE = 1_000_000.0
 
 # --- options --------------------------------------------------------------------------------------
 
-def make_parser(lab: str, description: str, **engine_defaults: Any) -> argparse.ArgumentParser:
-    """``--quick``, ``--out`` and the shared engine options, with the lab's own engine defaults."""
+QUICK_ON_THE_CPU = "CI size: a small workload on the CPU (with the default tiny preset, under a minute)"
+
+
+def make_parser(lab: str, description: str, quick_help: str = QUICK_ON_THE_CPU, quick_on_cpu: bool = True,
+                **engine_defaults: Any) -> argparse.ArgumentParser:
+    """``--quick``, ``--out`` and the shared engine options, with the lab's own engine defaults. A lab
+    whose ``--quick`` cannot run on the CPU says what it does instead (``quick_help``, ``quick_on_cpu``)."""
     parser = argparse.ArgumentParser(prog=f"python experiments/{lab}.py", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="CI size: a small workload on the CPU (with the default tiny preset, under a minute)")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help=f"results folder (default: {RESULTS_ROOT}/{lab}/<timestamp>)")
     add_engine_args(parser, **engine_defaults)
-    parser.set_defaults(lab=lab)
+    parser.set_defaults(lab=lab, quick_on_cpu=quick_on_cpu)
     return parser
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    args = parser.parse_args(argv)
-    if args.quick:
+    """The options, checked before anything is made or loaded (a bad one: ``error: ...``, exit 2)."""
+    args = parse_checked(parser, argv)
+    if args.quick and args.quick_on_cpu:
         args.device = args.device or "cpu"
         # The tiny model gains nothing from intra-op threads, and on a shared CPU OpenMP's spinning
         # workers stall each other (measured under load: a 24-token prefill took 0.8 s, 0.01 s on one thread).
@@ -82,7 +90,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 def build_engine(args: argparse.Namespace, **overrides: Any) -> LLM:
     """An engine from the shared options, some replaced (by option name, e.g. ``num_blocks``) for one
     arm, warmed up by one short request so that the first recorded step pays no lazy initialisation."""
-    llm = build_llm(argparse.Namespace(**{**vars(args), **overrides}))
+    with reported_errors(args):  # a checkpoint that fails to load ends the lab in one line, too
+        llm = build_llm(argparse.Namespace(**{**vars(args), **overrides}))
     llm.generate([[0] * 8], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     return llm
 
@@ -301,6 +310,21 @@ def new_figure(rows: int, cols: int, title: str) -> tuple[Figure, Any]:
     fig = Figure(figsize=(6.5 * cols, 3.6 * rows))
     fig.suptitle(title)
     return fig, fig.subplots(rows, cols, squeeze=False)
+
+
+def integer_ticks(*axes: Axis) -> None:
+    """Whole-number ticks on axes that count (blocks, requests, steps, tokens): 2.5 blocks is no value
+    such an axis can take."""
+    for axis in axes:
+        # The default locator's density and steps, less the fractional ones (MaxNLocator's own default
+        # steps give ticks at 15, 45, 75).
+        axis.set_major_locator(MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
+
+
+def legend_outside(ax: Axes, **kwargs: Any) -> None:
+    """The legend right of the axes, where it covers no data: inside, even ``loc="best"`` lands on a
+    line when the lines fill the axes."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, **kwargs)
 
 
 def report(args: argparse.Namespace, tables: dict[str, list[dict[str, Any]]], checks: Sequence[Check],

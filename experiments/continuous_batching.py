@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         axes[0][1].plot(finish_steps[arm], range(1, NUM_PROMPTS + 1), drawstyle="steps-post", label=arm)
     axes[0][0].set(title="decode batch size", xlabel="decode step", ylabel="requests in the batch")
     axes[0][1].set(title="requests finished", xlabel="engine steps since all were submitted", ylabel="requests")
-    axes[0][0].legend()
-    axes[0][1].legend()
+    for ax in axes[0]:
+        common.integer_ticks(ax.xaxis, ax.yaxis)
+    common.legend_outside(axes[0][1], title="arm\n(both plots)")
     return common.report(args, {"arms": table}, checks, recordings, fig)
 
 

@@ -7,6 +7,8 @@ the padding each captured size costs, and identical tokens in both arms; tokens 
 time per decode step go in the tables (timings never decide the verdict).
 
     python experiments/cuda_graphs.py [--preset qwen3-0.6b] [--quick]
+
+It needs a GPU: ``--quick`` is a small GPU run (the tiny preset and 16 requests, seconds), not a CPU one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from experiments.common import (  # noqa: E402
 )
 
 
+QUICK_REQUESTS = 16  # output lengths 8..128: the batch still walks down through every captured size up to 16
+
+
 def token_stream(rec: Recording) -> dict[int, list[int]]:
     """Tokens per request, keyed by the request's position in the workload (ids differ between runs)."""
     order = {rid: i for i, rid in enumerate(rec.tags)}
@@ -42,12 +47,16 @@ def token_stream(rec: Recording) -> dict[int, list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser("cuda_graphs", __doc__, preset="qwen3-0.6b", max_num_seqs=64, max_model_len=2048)
+    parser = make_parser("cuda_graphs", __doc__, quick_help=f"CI size on the GPU: the tiny preset (unless --model is "
+                         f"given) and {QUICK_REQUESTS} requests, seconds; CUDA graphs have no CPU run",
+                         quick_on_cpu=False, preset="qwen3-0.6b", max_num_seqs=64, max_model_len=2048)
     parser.add_argument("--num-requests", type=int, default=64, help="default: %(default)s")
     args = parse_args(parser, argv)
     if not torch.cuda.is_available() or args.device == "cpu":
-        print("cuda_graphs.py needs a CUDA device: CUDA graphs only exist on the GPU.")
+        print("error: cuda_graphs.py needs a CUDA device: CUDA graphs only exist on the GPU.", file=sys.stderr)
         return 2
+    if args.quick:
+        args.preset, args.num_requests = "tiny", min(args.num_requests, QUICK_REQUESTS)
     n = min(args.num_requests, args.max_num_seqs)
     rng = random.Random(args.seed)
     arms: dict[str, Recording] = {}

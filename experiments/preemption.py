@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ax.plot([s["step"] for s in steps], [s["running"] for s in steps], drawstyle="steps-mid", label="running")
     for i, t in enumerate(timeline):
         ax.axvline(t["step"], color="tab:red", alpha=0.4, lw=1, label="preemption" if i == 0 else None)
-    ax.set(title="free blocks and running requests over time", xlabel="step")
-    ax.legend()
+    ax.set(title="free blocks and running requests over time", xlabel="step", ylabel="blocks, requests")
+    common.integer_ticks(ax.xaxis, ax.yaxis)
+    common.legend_outside(ax)
     ax = axes[0][1]
     labels = [f"{r['request']}@{r['step']}" for r in readmissions]
     ax.bar(labels, [r["from_cache"] for r in readmissions], color="tab:green", label="from prefix cache")
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
            color="tab:orange", label="recomputed")
     ax.set(title="re-prefill of each re-admission", ylabel="tokens")
     ax.tick_params(axis="x", rotation=90)
-    ax.legend()
+    common.integer_ticks(ax.yaxis)
+    common.legend_outside(ax)
     return common.report(args, {"summary": summary, "preemption timeline": timeline, "re-admissions": readmissions},
                          checks, [rec], fig)
 

@@ -6,7 +6,7 @@ whole life is its prefill):
           computes fewer tokens by exactly the hit blocks x block size (the block holding the last
           prompt token is always recomputed, so at most (len - 1) // block_size blocks hit);
   twins   two identical prompts admitted in the same step: neither hits, because blocks are hashed
-          only after the step that computes them; a third copy one step later hits;
+          only after the step that computes them; a third copy admitted after that step hits;
   sweep   a warm-up request, then followers sharing its first S tokens, for S from none to all:
           prefill tokens saved, hit rate and time to first token.
 """
@@ -114,18 +114,20 @@ def main(argv: list[str] | None = None) -> int:
            label="computed", color="tab:blue")
     ax.set_ylabel("prompt tokens")
     ax.set_title("repeat and twins: prefill per admission")
-    ax.legend()
+    common.integer_ticks(ax.yaxis)
+    common.legend_outside(ax)
     ax = axes[0][1]
     shared = [s["shared_tokens"] for s in sweep]
-    ax.plot(shared, [s["saved_per_request"] for s in sweep], "o-", label="prefill tokens saved / request")
+    # Two scales, one line each: each y label takes its line's colour instead of a legend, which
+    # would sit on one of the lines or on the right-hand scale.
+    ax.plot(shared, [s["saved_per_request"] for s in sweep], "o-", color="tab:blue")
     ax.set_xlabel("shared prefix (tokens)")
-    ax.set_ylabel("tokens")
+    ax.set_ylabel("prefill tokens saved / request", color="tab:blue")
     ax.set_title("sweep: followers of a warm prefix")
+    common.integer_ticks(ax.xaxis, ax.yaxis)
     right = ax.twinx()
-    right.plot(shared, [s["ttft_ms_followers"] for s in sweep], "s--", color="tab:red", label="TTFT (ms)")
-    right.set_ylabel("TTFT (ms, measured)")
-    ax.legend(loc="upper left")
-    right.legend(loc="lower right")
+    right.plot(shared, [s["ttft_ms_followers"] for s in sweep], "s--", color="tab:red")
+    right.set_ylabel("TTFT (ms, measured)", color="tab:red")
     return common.report(args, {"repeat and twins": scenes, "shared-prefix sweep": sweep}, checks, [rec], fig)
 
 

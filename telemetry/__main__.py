@@ -3,7 +3,8 @@
 Runs the engine on a workload that arrives over time, with the requested consumers attached, and
 prints a status line every few seconds (in the spirit of vLLM's): prompt and generation tok/s,
 running and waiting requests, KV usage, prefix hit rate, preemptions. Stops at ``--duration`` or on
-Ctrl-C / SIGTERM, releasing the engine, the port and the recording.
+Ctrl-C / SIGTERM, releasing the engine, the port and the recording, and ends with a summary: what
+became of the requests (those still in flight are aborted), tokens generated, the recording.
 """
 
 from __future__ import annotations
@@ -21,8 +22,19 @@ from typing import Any, Callable
 
 from engine.events import EngineStarted, Event, Preempt, PrefixHit, RequestFinished, Step, Tokens
 from engine.live import LiveEngine
-from engine.options import LIVE_DEFAULTS, add_engine_args, add_workload_args, build_llm, build_workload, model_dir
+from engine.options import (
+    LIVE_DEFAULTS,
+    add_engine_args,
+    add_workload_args,
+    build_llm,
+    build_workload,
+    model_name,
+    parse_checked,
+    reported_errors,
+)
+from telemetry.event_queue import Consumer
 from telemetry.options import add_telemetry_args, open_consumers
+from telemetry.summary import RunSummary
 
 
 @dataclass
@@ -88,50 +100,60 @@ _STATUS_HANDLERS: dict[type[Event], Callable[[StatusCounter, Any], None]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit status: 0, or 1 when the engine failed; a usage error exits 2 (``SystemExit``)."""
     parser = argparse.ArgumentParser(prog="python -m telemetry", description=__doc__.split("\n\n")[0])
     add_engine_args(parser, **LIVE_DEFAULTS)
     add_workload_args(parser, duration=None)
     add_telemetry_args(parser)
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between status lines (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    log = logging.getLogger("glassbox")
+    with reported_errors(args):
+        consumers = open_consumers(args, model_name=model_name(args), meta={"workload": args.workload, "seed": args.seed})
+        summary = RunSummary()
+        try:
+            error = _serve(args, [summary, *consumers], summary)
+        finally:
+            for consumer in (summary, *consumers):
+                consumer.close()
+    for line in summary.lines(consumers):
+        print(line)
+    return 0 if error is None else 1
 
-    checkpoint = model_dir(args)
-    try:
-        consumers = open_consumers(args, model_name=Path(checkpoint).name, meta={"workload": args.workload, "seed": args.seed})
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+def _serve(args: argparse.Namespace, consumers: list[Consumer], summary: RunSummary) -> BaseException | None:
+    """Run the engine until ``--duration`` or a signal; the engine's error, if it stopped on one."""
+    log = logging.getLogger("glassbox")
     stop = threading.Event()
+
+    def halt(*_: object) -> None:
+        summary.mark_stopping()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        llm = build_llm(args)
-        for consumer in consumers:
-            consumer.attach(llm.events)
-            if getattr(consumer, "url", None):
-                log.info("serving metrics at %s", consumer.url)
-        status = StatusCounter()
-        llm.events.subscribe(status)
-        workload = build_workload(args, llm.model_config.vocab_size)
-        log.info("engine ready: %s, workload %s", Path(checkpoint).name, args.workload)
-        start = last = time.perf_counter()
-        with LiveEngine(llm, workload, on_error=lambda exc: stop.set()) as live:
-            while not stop.wait(min(args.interval, 0.2)):
-                now = time.perf_counter()
-                if args.duration is not None and now - start >= args.duration:
-                    break
-                if now - last >= args.interval:
-                    log.info(status.line(now - last))
-                    last = now
-        if live.error is not None:
-            log.error("engine error: %s", live.error)
-            return 1
-        return 0
-    finally:
-        for consumer in consumers:
-            consumer.close()
+        signal.signal(sig, halt)
+    llm = build_llm(args)
+    for consumer in consumers:
+        consumer.attach(llm.events)
+        if getattr(consumer, "url", None):
+            log.info("serving metrics at %s", consumer.url)
+    status = StatusCounter()
+    llm.events.subscribe(status)
+    workload = build_workload(args, llm.model_config.vocab_size)
+    log.info("engine ready: %s, workload %s", Path(llm.config.model).name, args.workload)
+    start = last = time.perf_counter()
+    with LiveEngine(llm, workload, on_error=halt) as live:
+        while not stop.wait(min(args.interval, 0.2)):
+            now = time.perf_counter()
+            if args.duration is not None and now - start >= args.duration:
+                break
+            if now - last >= args.interval:
+                log.info(status.line(now - last))
+                last = now
+        summary.mark_stopping()  # what the engine aborts from here on was in flight when the run stopped
+    if live.error is not None:
+        log.error("engine error: %s", live.error)
+    return live.error
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The telemetry options live runs share (`python -m telemetry`, `python -m tui`), and the consumers
 they open. Everything that can fail (a busy port, an unwritable path, a bad endpoint) fails here,
-before the engine is built."""
+before the engine is built, as an ``OptionError`` (one line and exit status 2 at the entry points)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from engine.options import option_error
 from telemetry.event_queue import Consumer
 
 
@@ -37,8 +38,10 @@ def open_consumers(args: argparse.Namespace, model_name: str, meta: dict | None 
             from telemetry.recorder import EventRecorder
 
             consumers.append(EventRecorder(args.record, meta=meta))
-    except BaseException:
+    except BaseException as exc:
         for consumer in consumers:
             consumer.close()
+        if isinstance(exc, (OSError, ValueError)):
+            raise option_error(exc) from exc
         raise
     return consumers

@@ -3,20 +3,25 @@
 As in vLLM, the span is built when the request finishes, with its start backdated to the arrival,
 so no span is held open while a request runs. Engine times are ``perf_counter`` seconds; the
 ``engine_started`` event pairs one with the wall clock, which turns them into epoch nanoseconds.
-The provider is private: the process-global one is never touched.
+The provider is private: the process-global one is never touched. A collector that cannot be
+reached is reported in one line, not in the OTLP exporter's warning per retry.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.events import (
@@ -33,6 +38,11 @@ from telemetry.intervals import RequestIntervals
 
 SPAN_NAME = "llm_request"
 DEFAULT_SERVICE_NAME = "glassbox"
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4318/v1/traces"  # the exporter's own, when nothing names one
+# Where the OTLP/HTTP exporter logs each failed attempt of an export.
+_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.exporter.otlp.common.http")
+
+logger = logging.getLogger(__name__)
 
 
 def validate_endpoint(url: str, source: str = "--otlp-endpoint") -> str:
@@ -72,8 +82,76 @@ def _resolve_exporter(otlp_endpoint: str | None) -> SpanExporter | None:
         raise ValueError(f"only OTLP over http/protobuf is supported, got OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    # With endpoint None the exporter falls back to its default, http://localhost:4318/v1/traces.
-    return OTLPSpanExporter(endpoint=endpoint)
+    endpoint = endpoint or DEFAULT_OTLP_ENDPOINT
+    return ReportingExporter(OTLPSpanExporter(endpoint=endpoint), endpoint)
+
+
+_held = threading.local()  # .records: the exporter's log records of the export running on this thread
+
+
+class _HoldRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        records = getattr(_held, "records", None)
+        if records is None:
+            return True
+        records.append(record)
+        return False
+
+
+_HOLD_RECORDS = _HoldRecords()
+
+
+class ReportingExporter(SpanExporter):
+    """Wraps the OTLP exporter, which logs a warning for every retry and an error for every batch
+    lost: with no collector listening, a stream of multi-line messages through the status lines.
+    Those records are held back (only those of this exporter's exports, on the thread exporting);
+    the first failure is reported in one line naming the endpoint, and the recovery in another."""
+
+    def __init__(self, inner: SpanExporter, endpoint: str) -> None:
+        self.inner = inner
+        self.endpoint = endpoint
+        self.failing = False
+        for name in _EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(_HOLD_RECORDS)  # a filter is added once, however often
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        _held.records = held = []
+        try:
+            result = self.inner.export(spans)
+        finally:
+            _held.records = None
+        if result is SpanExportResult.SUCCESS:
+            if self.failing:
+                logger.info("the OTLP collector at %s takes spans again", self.endpoint)
+            self.failing = False
+        elif not self.failing:
+            self.failing = True
+            if _reachable(self.endpoint):
+                cause = held[-1].getMessage() if held else "no reason given"
+                logger.warning("the OTLP collector at %s refuses spans (%s); they are dropped until it takes them "
+                               "(said once)", self.endpoint, cause)
+            else:
+                logger.warning("the OTLP collector at %s is unreachable; spans are dropped until it answers "
+                               "(said once)", self.endpoint)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def _reachable(url: str) -> bool:
+    """Whether anything accepts a connection at the URL's host and port: tells a collector that is
+    not there from one that answers with an error."""
+    parts = urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                 timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 @dataclass(slots=True)

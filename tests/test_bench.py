@@ -1,9 +1,12 @@
-"""The yardstick's arithmetic: the per-step decode floor and the run's decode time against it."""
+"""The yardstick's arithmetic: the per-step decode floor and the run's decode time against it; and
+how it behaves on a machine without CUDA."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from experiments import bench
 from experiments.bench import decode_by_batch, decode_floor, decode_step_reads, weight_bytes_per_step
 from models.checkpoint import PRESETS
 
@@ -53,3 +56,24 @@ def test_no_breakdown_when_the_run_did_not_decode_as_the_floor_assumes() -> None
     assert decode_by_batch(preempted, step_reads, 1e9) == []
     assert decode_by_batch([], step_reads, 1e9) == []  # telemetry off: no timeline at all
     assert decode_by_batch([], [], 1e9) == []  # every request done at prefill: no decode step
+
+
+def test_without_cuda_it_asks_for_device_cpu_and_says_what_that_costs(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([])  # the default: qwen3-0.6b, 256 requests
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("error: bench.py is a GPU yardstick and finds no CUDA device; on the CPU its workload (256 requests, "
+                   "133,966 output tokens of qwen3-0.6b) would take hours. Pass --device cpu to run it anyway "
+                   "(--device cpu --preset tiny --num-requests 16: under a minute)\n")
+
+
+def test_a_cpu_run_shows_its_progress(tiny_checkpoint, capsys):
+    assert bench.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--num-requests", "1"]) == 0
+    out, err = capsys.readouterr()
+    phases = [line for line in err.splitlines() if line.startswith("bench: ")]
+    assert phases[:3] == [f"bench: checkpoint {tiny_checkpoint}", "bench: loading the engine", "bench: warm-up"]
+    assert phases[3].startswith("bench: timed run: 1 requests, ")
+    assert "Generating" in err  # the engine's progress bar during the timed run
+    assert out.startswith("glassbox: ") and "(CPU: no bandwidth floor)" in out

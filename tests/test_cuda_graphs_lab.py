@@ -17,7 +17,7 @@ def test_on_the_cpu_it_explains_and_exits_2(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "experiments" / "cuda_graphs.py"), "--quick", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 2
-    assert result.stdout.strip() == "cuda_graphs.py needs a CUDA device: CUDA graphs only exist on the GPU."
+    assert result.stderr == "error: cuda_graphs.py needs a CUDA device: CUDA graphs only exist on the GPU.\n"
 
 
 @pytest.mark.gpu

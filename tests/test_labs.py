@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+from matplotlib.axis import Axis
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.transforms import Bbox
 
 from engine.events import (
     Event,
@@ -40,17 +49,80 @@ def keep_torch_threads():
 
 # --- the labs -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lab", LABS, ids=lambda m: m.LAB)
-def test_quick_run_holds_its_verdict(lab, tiny_checkpoint, tmp_path, capsys):
-    assert lab.main(["--quick", "--model", str(tiny_checkpoint), "--out", str(tmp_path)]) == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
+@dataclass(frozen=True)
+class QuickRun:
+    lab: ModuleType
+    status: int
+    out: Path
+    printed: str
+    figure: Figure  # as report() saved it
+
+
+@pytest.fixture(scope="module", params=LABS, ids=lambda m: m.LAB)
+def quick_run(request, tiny_checkpoint, tmp_path_factory) -> QuickRun:
+    """Each lab's --quick run, once for the tests that read its results and the ones that read its plot."""
+    lab, out = request.param, tmp_path_factory.mktemp(request.param.LAB)
+    figures, report = [], common.report
+
+    def keep_figure(args, tables, checks, recordings, figure):
+        figures.append(figure)
+        return report(args, tables, checks, recordings, figure)
+
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
+        patch.setattr(common, "report", keep_figure)
+        status = lab.main(["--quick", "--model", str(tiny_checkpoint), "--out", str(out)])
+    torch.set_num_threads(threads)
+    figure, = figures
+    return QuickRun(lab, status, out, printed.getvalue(), figure)
+
+
+def test_quick_run_holds_its_verdict(quick_run):
+    lab, out = quick_run.lab, quick_run.out
+    assert quick_run.status == 0
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["lab"] == lab.LAB and summary["holds"] and all(c["holds"] for c in summary["checks"])
     for name in ("steps.csv", "requests.csv", "plot.png"):
-        assert (tmp_path / name).stat().st_size > 0
+        assert (out / name).stat().st_size > 0
     for run in summary["runs"].values():
-        assert (tmp_path / run["recording"]).exists()
-    printed = capsys.readouterr().out
-    assert "| expected | observed | holds? |" in printed and "verdict: holds" in printed
+        assert (out / run["recording"]).exists()
+    assert "| expected | observed | holds? |" in quick_run.printed and "verdict: holds" in quick_run.printed
+
+
+def count_axes(fig: Figure) -> list[Axis]:
+    """Every x and y axis but those of measured time, which name their unit: "TTFT (ms, measured)"."""
+    return [axis for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+            if not re.search(r"\((ms|s)\b", axis.get_label_text())]
+
+
+def test_quick_run_plot_counts_in_whole_numbers(quick_run):
+    for axis in count_axes(quick_run.figure):
+        low, high = sorted(axis.get_view_interval())
+        ticks = [t for t in axis.get_majorticklocs() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), \
+            f"{axis.axes.get_title()!r}, {axis.axis_name} axis {axis.get_label_text()!r}: ticks {ticks}"
+
+
+def test_quick_run_plot_legends_cover_no_data(quick_run):
+    fig = quick_run.figure
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()]
+    assert legends, "a figure without a legend: this test would check nothing"
+    for owner, legend in legends:
+        box = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            where = f"the legend of {owner.get_title()!r} on {ax.get_title()!r}"
+            if ax.bbox.bounds != owner.bbox.bounds:  # another panel, not the legend's own axes or its twin
+                assert not box.overlaps(ax.get_tightbbox(renderer)), f"{where}: overlaps that panel"
+            covered = Bbox.intersection(box, ax.bbox)  # only what lies inside the axes is drawn
+            if covered is None:
+                continue
+            for line in ax.get_lines():  # the path as drawn: steps included
+                path = line.get_transform().transform_path(line.get_path())
+                assert not path.intersects_bbox(covered, filled=False), f"{where}: covers {line.get_label()!r}"
+            for patch in ax.patches:
+                assert not patch.get_window_extent(renderer).overlaps(covered), f"{where}: covers a bar"
 
 
 def test_a_script_exits_non_zero_when_its_mechanism_is_off(tiny_checkpoint, tmp_path):

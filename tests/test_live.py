@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import threading
 import time
+from collections import deque
 
 import pytest
 
@@ -14,7 +16,7 @@ from engine.live import LiveEngine, run_virtual
 from engine.options import LIVE_DEFAULTS, add_engine_args, build_llm
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
-from engine.workloads import WORKLOADS, Request, bench, make_workload, multi_turn
+from engine.workloads import WORKLOADS, ArrivalPacer, Request, bench, make_workload, multi_turn
 
 
 def live_llm(tiny_checkpoint, **overrides) -> LLM:
@@ -91,6 +93,91 @@ def test_mixed_workload_shows_every_mechanism_within_a_few_hundred_steps(tiny_ch
     kinds = {e.kind for e in events}
     assert any(e.kind == "prefix_hit" and e.hit_tokens > 0 for e in events), "no prefix hit"
     assert any(e.kind == "schedule" and any(e.chunked) for e in events), "no chunked prefill"
+    assert "preempt" in kinds, "no preemption"
+    assert "block_evict" in kinds, "no eviction"
+
+
+# --- pacing arrivals to the engine ------------------------------------------------------------------
+
+def work(at: float, tokens: int = 10) -> Request:
+    """A request offering ``2 * tokens`` tokens of work: its prompt and its answer."""
+    return Request(at, [1] * tokens, SamplingParams(max_tokens=tokens))
+
+
+def test_pacer_runs_the_workload_clock_at_capacity_over_offered_work():
+    pacer = ArrivalPacer(target_waiting=8, headroom=0.25, window_s=5.0, min_arrivals=8, sample_s=0.25)
+    assert pacer.max_waiting == 40
+    for i in range(9):  # 20 tokens every 0.1 s of workload time: 200 tokens per second offered
+        assert pacer.pace is None  # until it has seen enough arrivals and a served sample
+        pacer.offered(i * 0.1, work(i * 0.1))
+    assert pacer.pace is None
+    pacer.served(0.1, 10, waiting=8)
+    assert pacer.pace is None and pacer.capacity is None  # a sample needs 0.25 s of busy time
+    pacer.served(0.15, 15, waiting=8)  # 25 tokens in 0.25 busy seconds
+    assert pacer.capacity == pytest.approx(100) and pacer.pace == pytest.approx(0.5)
+    pacer.served(0.0, 0, waiting=0)  # an empty queue asks for 25% more than capacity
+    assert pacer.pace == pytest.approx(0.5 * 1.25)
+    pacer.served(0.0, 0, waiting=24)
+    assert pacer.pace == pytest.approx(0.5 * 0.5)
+    pacer.served(0.0, 0, waiting=40)  # arrivals stop until the queue drains
+    assert pacer.pace == 0
+    pacer.served(0.25, 50, waiting=8)  # capacity follows an average over window_s of busy time
+    assert pacer.capacity == pytest.approx(100 + (1 - math.exp(-0.25 / 5.0)) * 100)
+    pacer.forget_arrivals()
+    assert pacer.pace is None
+    for _ in range(9):  # everything at once (bench): no rate to fit, the workload keeps its own
+        pacer.offered(1.0, work(1.0))
+    assert pacer.pace is None
+
+
+def simulate_paced(rate_scale: float, capacity: float = 2000.0, seconds: float = 300.0, dt: float = 0.02):
+    """The mixed workload on a fake engine that serves ``capacity`` tokens of work per second,
+    first come first served; returns (most waiting, mean waiting, share of time busy)."""
+    pacer = ArrivalPacer()
+    workload = make_workload("mixed", 1000, seed=1)
+    arrival = next(workload)
+    clock, busy_s, queue, waiting = 0.0, 0.0, deque(), []
+    for _ in range(int(seconds / dt)):
+        while arrival.arrival_time <= clock:
+            queue.append(len(arrival.prompt_token_ids) + arrival.sampling_params.max_tokens)
+            pacer.offered(arrival.arrival_time, arrival)
+            arrival = next(workload)
+        budget = served = capacity * dt
+        while queue and budget > 0:
+            take = min(budget, queue[0])
+            queue[0] -= take
+            budget -= take
+            if queue[0] <= 0:
+                queue.popleft()
+        served -= budget
+        if served:
+            busy_s += served / capacity
+            pacer.served(served / capacity, round(served), waiting=max(0, len(queue) - 1))
+        waiting.append(max(0, len(queue) - 1))
+        clock += dt * rate_scale * (1.0 if pacer.pace is None else pacer.pace)
+    return max(waiting), statistics.mean(waiting), busy_s / seconds
+
+
+def test_paced_arrivals_keep_a_short_queue_and_the_engine_busy():
+    most, mean, busy = simulate_paced(1.0)
+    assert busy > 0.9 and mean < 12 and most < 30  # just above capacity: busy, a few waiting
+    most_fast, mean_fast, _ = simulate_paced(16.0)
+    assert mean_fast > 2 * mean and most_fast < ArrivalPacer().max_waiting * 1.1  # more load, still bounded
+    _, _, busy_slow = simulate_paced(0.5)
+    assert busy_slow < 0.75  # below capacity: the engine idles at times
+
+
+def test_paced_mixed_workload_keeps_the_queue_short_and_shows_every_mechanism(tiny_checkpoint):
+    llm = live_llm(tiny_checkpoint)
+    events = []
+    llm.events.subscribe(events.append)
+    pacer = ArrivalPacer()
+    assert run_virtual(llm, make_workload("mixed", llm.model_config.vocab_size), max_steps=600, pacer=pacer) == 600
+    assert pacer.pace is not None and pacer.pace < 1  # mixed's own rate outruns this engine: slowed down
+    assert max(e.waiting for e in events if e.kind == "step") <= pacer.max_waiting
+    assert any(e.kind == "prefix_hit" and e.hit_tokens > 0 for e in events), "no prefix hit"
+    assert any(e.kind == "schedule" and any(e.chunked) for e in events), "no chunked prefill"
+    kinds = {e.kind for e in events}
     assert "preempt" in kinds, "no preemption"
     assert "block_evict" in kinds, "no eviction"
 

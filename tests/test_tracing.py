@@ -1,3 +1,4 @@
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -178,3 +179,65 @@ def test_bad_endpoints_fail_up_front(monkeypatch):
 def test_endpoint_without_path_gets_the_traces_path():
     assert validate_endpoint("http://collector:4318") == "http://collector:4318/v1/traces"
     assert validate_endpoint("https://collector/custom") == "https://collector/custom"
+
+
+def test_an_unreachable_collector_is_reported_once_and_its_return_too(events, monkeypatch, caplog):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.2")  # one attempt, then the exporter gives up
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}/v1/traces"
+    # Up to and including the first, second and third request_finished: three exports of a span each.
+    bounds = [0, *[i + 1 for i, e in enumerate(events) if isinstance(e, RequestFinished)][:3]]
+    caplog.set_level("INFO")
+    _Receiver.requests = []
+    with RequestTracer(otlp_endpoint=endpoint) as tracer:
+        for start, end in zip(bounds, bounds[1:]):
+            for e in events[start:end]:
+                tracer.put(e)
+            tracer.flush()
+        server = HTTPServer(("127.0.0.1", port), _Receiver)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            for e in events[bounds[-1]:]:
+                tracer.put(e)
+            assert tracer.flush()
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "telemetry.tracing"] == [
+        ("WARNING", f"the OTLP collector at {endpoint} is unreachable; spans are dropped until it answers (said once)"),
+        ("INFO", f"the OTLP collector at {endpoint} takes spans again"),
+    ]
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]  # no retry chatter
+    assert _Receiver.requests
+
+
+def test_a_collector_that_refuses_spans_is_reported_with_its_answer(events, monkeypatch, caplog):
+    class Refuser(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Refuser)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
+    try:
+        with RequestTracer(otlp_endpoint=endpoint) as tracer:
+            for e in events:
+                tracer.put(e)
+            tracer.flush()
+    finally:
+        server.shutdown()
+        server.server_close()
+    [record] = [r for r in caplog.records if r.name == "telemetry.tracing"]
+    assert record.getMessage().startswith(f"the OTLP collector at {endpoint} refuses spans (Failed to export spans "
+                                          "batch code: 404")
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]

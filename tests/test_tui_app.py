@@ -1,4 +1,5 @@
-"""The dashboard app: keys, replay controls, panels, an event flood, SVG snapshots, a live engine.
+"""The dashboard app: keys, replay controls, panels at 80x24 and larger, an event flood, SVG snapshots,
+a live engine.
 
 Snapshots replay ``tests/data/dashboard.jsonl.gz`` (see ``make_dashboard_recording.py`` beside it)
 through the real replay path with no clock: every time on screen comes from the recording.
@@ -8,21 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable, RichLog
+from rich.console import Console
+from textual.widget import Widget
+from textual.widgets import DataTable
 
-from engine.events import Event
+from engine.events import EngineStarted, Event, PrefixHit, RequestRejected
 from engine.options import build_llm
 from telemetry.recorder import EventRecorder, RecordingError, read_recording
 from tests.control_plane import run_workload, workload_engine, workload_events
+from tui import format as fmt
 from tui.__main__ import make_parser
 from tui.app import MAX_EVENTS_PER_TICK, SEEK_STEPS, DashboardApp
 from tui.sources import EngineError, LiveSource, ReplaySource, ScriptedSource
 from tui.state import DashboardState
+from tui.widgets.event_feed import EventFeed, FeedLines
+from tui.widgets.header import HeaderBar
 from tui.widgets.help import HelpScreen
 
 RECORDING = Path(__file__).parent / "data" / "dashboard.jsonl.gz"
@@ -53,6 +61,34 @@ def run(coro) -> None:
     asyncio.run(coro)
 
 
+def screen(app: DashboardApp) -> list[str]:
+    """What the terminal shows, one string per row: ``App.export_screenshot``'s rendering (Textual's
+    compositor), as text instead of SVG."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, force_terminal=True,
+                      color_system="truecolor", legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text().splitlines()
+
+
+def rows_of(app: DashboardApp, widget: Widget) -> list[str]:
+    """The rows of ``widget``'s content on screen."""
+    region = widget.content_region
+    return [row[region.x:region.right] for row in screen(app)[region.y:region.bottom]]
+
+
+class LiveLikeSource(ScriptedSource):
+    """Scripted events under a live source's keys and status, without an engine."""
+
+    mode = "live"
+
+    def supports(self, action: str) -> bool:
+        return action in LiveSource._ACTIONS
+
+    def status(self) -> str:
+        return f"{'paused' if self.paused else 'live'} · mixed · rate ×1"
+
+
 # --- snapshots ------------------------------------------------------------------------------------
 
 async def _settle(pilot) -> None:
@@ -66,6 +102,112 @@ def test_snapshot_80x24(snap_compare):
 
 def test_snapshot_200x50(snap_compare):
     assert snap_compare(replay_app(), terminal_size=(200, 50), run_before=_settle)
+
+
+# --- the smallest terminal, and the largest ---------------------------------------------------------
+
+@pytest.mark.parametrize("live", [False, True])
+def test_at_80x24_header_footer_and_table_fit_without_wrapping(live):
+    # Each stopped just after a preemption: a preempted request in the table (the widest state).
+    if live:
+        events = workload_events(rounds=3)
+        app = DashboardApp(LiveLikeSource(events[:next(i for i, e in enumerate(events) if e.kind == "preempt") + 1]))
+    else:
+        app = replay_app(step=101)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            rows = screen(app)
+            header = app.query_one(HeaderBar)
+            assert header.size.height == 1 and rows[1].startswith("╭")  # the panels start on the second row
+            assert ("live" if live else "paused") in rows[0]
+            assert re.search(r"prompt \S+ tok/s │ gen \S+ tok/s", rows[0])
+            assert "? Help" in rows[-1] and "q Quit" in rows[-1]
+            table = app.query_one(DataTable)
+            assert not table.show_horizontal_scrollbar
+            assert sum(column.get_render_width(table) for column in table.columns.values()) <= (
+                table.scrollable_content_region.width)
+            lines = rows_of(app, table)
+            assert lines[0].split() == ["id", "state", "prompt", "hit", "gen/max", "pre", "ttft"]
+            states = set()
+            for line, row in zip(lines[1:], app.state.table_rows()):  # the table lists them in this order
+                line = line[:table.scrollable_content_region.width].rstrip()
+                assert line.split()[:2] == [str(row.request_id), row.state]
+                states.add(row.state)
+                if row.ttft is not None:
+                    assert line.endswith(f" {fmt.seconds(row.ttft)}")  # whole, unit and all
+            assert states >= {"decode", "preempted"}
+
+    run(go())
+
+
+def test_at_80x24_every_event_line_starts_with_its_step():
+    reason = "the prompt has 2000 tokens but max_model_len is 1024: shorten the prompt or raise max_model_len"
+    _, events = read_recording(RECORDING)
+    started = next(e for e in events if isinstance(e, EngineStarted))
+    hits = [PrefixHit(t=started.t, step=2 + i, request_id=i, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1))
+            for i in range(3)]
+    source = ScriptedSource([started, RequestRejected(t=started.t, step=1, request_id=9, reason=reason, code="invalid"),
+                             *hits])
+
+    async def go():
+        app = DashboardApp(source)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            rows = rows_of(app, app.query_one(FeedLines))
+            assert len(rows) == 4 and all(re.match(r" +\d+ \S", row) for row in rows)
+            assert rows[0].lstrip().startswith("1 reject #9 (invalid): the prompt") and rows[0].rstrip().endswith("…")
+
+    run(go())
+
+
+def test_at_80x24_the_help_fits_with_its_closing_hint():
+    async def go():
+        app = replay_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("question_mark")
+            await pilot.pause()
+            text = "\n".join(screen(app))
+            assert "press any key to close" in text
+            assert "Keys" in text and "Throughput  tok/s per half second" in text  # the first line and the last
+            assert not app.screen.query_one("#help-box").show_vertical_scrollbar
+
+    run(go())
+
+
+def test_the_footer_offers_resume_while_paused():
+    async def go():
+        app = replay_app(step=40)  # a replay opened at a step starts paused
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            assert app.source.paused
+            assert "space Resume" in screen(app)[-1] and "Pause" not in screen(app)[-1]
+            await pilot.press("space")
+            await pilot.pause()
+            assert not app.source.paused and "space Pause" in screen(app)[-1]
+            await pilot.press("space")
+            await pilot.pause()
+            assert app.source.paused and "space Resume" in screen(app)[-1]
+
+    run(go())
+
+
+@pytest.mark.parametrize("size", [(160, 48), (200, 50)])
+def test_a_large_terminal_keeps_everything(size):
+    async def go():
+        app = replay_app()
+        async with app.run_test(size=size) as pilot:
+            await _settle(pilot)
+            rows = screen(app)
+            for item in ("tiny · cpu · float32 · torch · eager", "up 0:01", "steps/s", "prompt 3.1k tok/s",
+                         "gen 380 tok/s", "paused · dashboard.jsonl.gz · end · speed ×1"):
+                assert item in rows[0]
+            assert "Queues waiting 56 · running 3 · done 12" in rows[1] and "■evicted" in "\n".join(rows)
+            assert "Steps  #220 decode · 3 seqs · 3 tok · " in "\n".join(rows)
+            assert not any(row.rstrip().endswith("…") for row in rows_of(app, app.query_one(FeedLines)))
+
+    run(go())
 
 
 # --- replay controls ------------------------------------------------------------------------------
@@ -129,8 +271,7 @@ def test_panels_show_the_recording():
             assert table.row_count == len(expected.table_rows())
             assert "waiting 56" in str(app.query_one("#requests").border_title)
             assert app.state.num_evictions == expected.num_evictions > 0
-            feed = [line.text for line in app.query_one(RichLog).lines]
-            assert any("evict" in line for line in feed)
+            assert any("evict" in line for line in app.query_one(EventFeed).lines)
 
     run(go())
 
@@ -142,7 +283,7 @@ def test_filter_keeps_only_matching_events():
             app.drain_all()
             await pilot.press("slash", *"preempt", "enter")
             await pilot.pause()
-            lines = [line.text for line in app.query_one(RichLog).lines]
+            lines = app.query_one(EventFeed).lines
             assert lines and all("preempt" in line for line in lines)
             assert app.query_one("#feed").border_subtitle == "filter: preempt"
             # While the filter has focus, keys type into it instead of driving the engine.
@@ -150,8 +291,7 @@ def test_filter_keeps_only_matching_events():
             assert app.source.paused  # the space went into the input, not to pause/resume
             await pilot.press("escape")
             await pilot.pause()
-            lines = [line.text for line in app.query_one(RichLog).lines]
-            assert any("evict" in line for line in lines)
+            assert any("evict" in line for line in app.query_one(EventFeed).lines)
 
     run(go())
 
@@ -230,7 +370,7 @@ def test_a_damaged_recording_replays_up_to_the_damage_and_shows_where(tmp_path):
             assert app.state.error == f"{path}:{readable + 2}: the gzip stream ends early (the recording was cut off)"
             banner = str(app.query_one("#error-banner").render())
             assert banner.startswith("replay error: ") and "killed.jsonl.gz" in banner
-            assert any("the gzip stream ends early" in line.text for line in app.query_one(RichLog).lines)
+            assert any("the gzip stream ends early" in line for line in app.query_one(EventFeed).lines)
             assert app.is_running and "done" in source.status()
 
     run(go())
@@ -243,7 +383,7 @@ def test_replaying_a_file_that_is_not_a_recording_is_one_line_and_status_2(tmp_p
 
     assert main(["--replay", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err == f"python -m tui: {path}:1: the gzip stream ends early (the recording was cut off)\n"
+    assert err == f"error: {path}:1: the gzip stream ends early (the recording was cut off)\n"
 
 
 # --- flood ----------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.events import (
@@ -21,8 +23,8 @@ from engine.events import (
     Step,
     Tokens,
 )
-from tests.control_plane import FakeEngine, run_workload, workload_engine
-from tui.state import FINISHED_KEPT, BlockState, DashboardState, percentile
+from tests.control_plane import FakeEngine, run_workload, workload_engine, workload_events
+from tui.state import FEED_RUN_IDS, FEED_SIZE, FINISHED_KEPT, BlockState, DashboardState, percentile
 
 
 def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
@@ -107,11 +109,11 @@ def test_block_life_cycle_used_cached_evicted():
     assert state.block_state(1) == BlockState.FREE
     assert state.kv_usage == 0
     state.apply(BlockEvict(t=104, step=4, block_id=0, hash=11))
+    assert state.feed[-1].category == "evict" and state.feed[-1].text == "evict 1 cached blk: 0"
     state.apply(BlockAlloc(t=104, step=4, request_id=3, block_ids=(0,), refcounts=(1,)))
     state.apply(step(4, 104.0))
     assert state.block_state(0) == BlockState.USED and state.recently_evicted(0)
     assert state.block_counts() == {BlockState.FREE: 7, BlockState.CACHED: 0, BlockState.USED: 1, BlockState.SHARED: 0}
-    assert state.feed[-1].category == "evict" and "evict 1 cached blk: 0" in state.feed[-1].text
     state.apply(step(20, 105.0))
     assert not state.recently_evicted(0)
 
@@ -133,7 +135,7 @@ def test_request_lifecycle_in_the_table():
                      Preempt(t=103, step=3, request_id=7, num_tokens=42, freed_blocks=3, for_request_id=9)])
     assert (row.state, row.generated, row.preemptions, row.ttft) == ("preempted", 2, 1, 1.5)
     assert list(state.itls) == [0.25]
-    assert state.waiting == 1 and "preempt #7 (3 blk freed) so #9 can decode" in state.feed[-1].text
+    assert state.waiting == 1 and state.feed[-1].text == "preempt #7 for #9: 3 blk freed"
     # Re-admission after the preemption is a prefix query too, but the row keeps its first hit.
     state.apply(PrefixHit(t=104, step=4, request_id=7, query_tokens=42, hit_tokens=0, hit_block_ids=()))
     assert row.cached_tokens == 32
@@ -198,9 +200,72 @@ def test_feed_lists_hits_rejections_and_errors_in_order():
     )
     state.set_error("RuntimeError: boom")
     assert [e.category for e in state.feed] == ["hit", "reject", "preempt", "error"]  # misses stay out
-    assert "no block left for its own next token" in state.feed[2].text
-    assert [e.category for e in state.feed_after(state.feed[1].seq)] == ["preempt", "error"]
+    assert state.feed[1].text == "reject #3 (invalid): prompt too long"
+    assert state.feed[2].text == "preempt #4 for its own next token: 1 blk freed"
+    assert [e.step for e in state.feed] == [1, 1, 2, 2]
     assert state.error == "RuntimeError: boom"
+
+
+def test_feed_is_in_step_order_under_asynchronous_scheduling():
+    """With asynchronous scheduling a step's ``step`` event lands after the next step's decisions;
+    lines are posted when their own event arrives, so the feed never goes back in steps."""
+    state = DashboardState()
+    state.apply_all(workload_events(rounds=3))  # asynchronous, as the engine is
+    steps = [entry.step for entry in state.feed]
+    assert steps == sorted(steps)
+    assert {"hit", "chunk", "preempt", "evict", "reject"} <= {entry.category for entry in state.feed}
+
+
+def test_a_line_from_a_landing_step_goes_before_the_next_steps_lines():
+    # A failed step withdraws its blocks from the cache when it lands, during the next step.
+    state = fed(Preempt(t=102, step=5, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=3),
+                BlockEvict(t=102, step=4, block_id=2, hash=22))
+    assert [(e.step, e.category) for e in state.feed] == [(4, "evict"), (5, "preempt")]
+    # Also into a full feed, which drops its oldest line to make room.
+    full = fed(*[PrefixHit(t=101, step=10, request_id=i, query_tokens=32, hit_tokens=16, hit_block_ids=(0,))
+                 for i in range(FEED_SIZE)])
+    full.apply(BlockEvict(t=102, step=9, block_id=1, hash=11))
+    assert len(full.feed) == FEED_SIZE and [e.step for e in full.feed][:2] == [9, 10]
+
+
+def test_an_eviction_storm_is_one_line_that_leaves_hits_and_preemptions_in_view():
+    state = fed(PrefixHit(t=101, step=1, request_id=1, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
+                Preempt(t=101, step=1, request_id=2, num_tokens=9, freed_blocks=1, for_request_id=1))
+    version = state.feed_version
+    for n in range(2, 52):  # every decode step reuses a cached block
+        state.apply(BlockEvict(t=100 + n, step=n, block_id=n % 8, hash=n))
+    assert [e.category for e in state.feed] == ["hit", "preempt", "evict"]
+    storm = state.feed[-1]
+    latest = " ".join(str(n % 8) for n in range(52 - FEED_RUN_IDS, 52))
+    assert (storm.step, storm.text) == (51, f"evict 50 cached blk: … {latest} (since 2)")
+    assert state.feed_version == version + 50  # every fold is a change the widget redraws
+    # Something else ends the run: the next eviction starts a line of its own.
+    state.apply(PrefixHit(t=160, step=60, request_id=3, query_tokens=40, hit_tokens=16, hit_block_ids=(0,)))
+    state.apply(BlockEvict(t=160, step=60, block_id=5, hash=5))
+    assert [e.text for e in state.feed][-2:] == ["hit #3 16/40 tok cached", "evict 1 cached blk: 5"]
+
+
+def test_a_workload_feed_has_no_two_eviction_lines_in_a_row():
+    events = workload_events(rounds=3)
+    state = DashboardState()
+    state.apply_all(events)
+    categories = [entry.category for entry in state.feed]
+    assert sum(e.kind == "block_evict" for e in events) > 2 * categories.count("evict")
+    assert ("evict", "evict") not in set(itertools.pairwise(categories))
+    assert categories.count("preempt") == sum(e.kind == "preempt" for e in events) > 0
+    assert categories.count("hit") == sum(e.kind == "prefix_hit" and e.hit_tokens > 0 for e in events) > 0
+
+
+def test_a_chunked_prefill_is_one_line_counting_its_chunks():
+    def chunk(n: int, request_ids: tuple[int, ...], tokens: tuple[int, ...], chunked: tuple[bool, ...]) -> Schedule:
+        return Schedule(t=100 + n, step=n, phase="prefill", request_ids=request_ids, num_tokens=tokens,
+                        chunked=chunked, waiting=1, running=0, free_blocks=1)
+
+    state = fed(chunk(1, (5,), (64,), (True,)), chunk(2, (5,), (64,), (True,)),
+                chunk(3, (5, 6), (30, 34), (True, False)))  # the last chunk, then a whole prompt
+    assert [(e.step, e.text) for e in state.feed] == [(3, "prefill #5: 3 chunks, 158 tok")]
+    state.apply(chunk(4, (7,), (64,), (True,)))
+    assert state.feed[-1].text == "prefill #7: 1 chunk, 64 tok"
 
 
 def test_percentiles():

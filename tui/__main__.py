@@ -2,7 +2,8 @@
 
 With no arguments it serves the ``tiny`` preset (made on first use) with the ``mixed`` workload on a
 pool small enough that prefix hits, chunked prefill, evictions and preemptions all show within
-half a minute. ``--replay FILE`` plays a recording instead of running an engine.
+half a minute. ``--replay FILE`` plays a recording instead of running an engine. A live run ends,
+once the terminal is back, with the same summary as ``python -m telemetry``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,23 @@ import logging
 import sys
 import time
 from collections import deque
-from pathlib import Path
+from typing import Any
 
-from engine.options import LIVE_DEFAULTS, add_engine_args, add_workload_args, build_llm
+from engine.options import (
+    LIVE_DEFAULTS,
+    USAGE_ERRORS,
+    OptionError,
+    add_engine_args,
+    add_workload_args,
+    build_llm,
+    model_name,
+    parse_checked,
+    reported_errors,
+)
+from telemetry.event_queue import Consumer
 from telemetry.options import add_telemetry_args, open_consumers
+from telemetry.summary import RunSummary
+from tui.sources import LiveSource, ReplaySource, Source
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -47,31 +61,56 @@ class _HeldLog(logging.Handler):
         self.lines.append(self.format(record))
 
 
+class _SummarisedSource(LiveSource):
+    """A live source that marks the run's stop for its summary before the engine aborts what is in
+    flight: the app stops its source itself, as it unmounts, before ``main`` runs again."""
+
+    def __init__(self, summary: RunSummary, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.summary = summary
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self.summary.mark_stopping()
+        super().stop(timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    if args.replay and (args.record or args.metrics_port is not None or args.otlp_endpoint):
-        parser.error("--replay plays a recording; --record, --metrics-port and --otlp-endpoint need a live engine")
-    if args.speed <= 0:
-        parser.error("--speed must be positive")
+    """The exit status: 0, or 1 when the engine or the replay failed; a usage error (a checkpoint that
+    fails to load included) exits 2 (``SystemExit``) once the terminal is back."""
+    args = parse_checked(make_parser(), argv)
+    with reported_errors(args):
+        if args.replay and (args.record or args.metrics_port is not None or args.otlp_endpoint):
+            raise OptionError("--replay plays a recording; --record, --metrics-port and --otlp-endpoint need a live engine")
+        return _dashboard(args)
 
+
+def _dashboard(args: argparse.Namespace) -> int:
     from tui.app import DashboardApp
-    from tui.sources import LiveSource, ReplaySource, Source
 
-    consumers = []
-    try:
-        source: Source
-        if args.replay:
+    consumers: list[Consumer] = []
+    summary: RunSummary | None = None
+    boot_errors: list[BaseException] = []
+
+    def build():
+        try:
+            return build_llm(args)
+        except BaseException as exc:  # the source shows it in the UI; kept to be reported after it
+            boot_errors.append(exc)
+            raise
+
+    source: Source
+    if args.replay:
+        try:
             source = ReplaySource(args.replay, speed=args.speed)
-        else:
-            # Opened before the UI starts, so a busy port or an unwritable file fails with a plain message.
-            consumers = open_consumers(args, model_name=Path(args.model).name if args.model else args.preset,
-                                       meta={"workload": args.workload, "seed": args.seed})
-            source = LiveSource(lambda: build_llm(args), args.workload, seed=args.seed, rate=args.rate,
-                                consumers=consumers)
-    except (OSError, ValueError) as exc:
-        print(f"python -m tui: {exc}", file=sys.stderr)
-        return 2
+        except (OSError, ValueError) as exc:  # not a recording, or not readable: said in one line
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        # Opened before the UI starts, so a busy port or an unwritable file fails with a plain message.
+        consumers = open_consumers(args, model_name=model_name(args), meta={"workload": args.workload, "seed": args.seed})
+        summary = RunSummary()
+        consumers.insert(0, summary)
+        source = _SummarisedSource(summary, build, args.workload, seed=args.seed, rate=args.rate, consumers=consumers)
     app = DashboardApp(source, clock=None if args.replay else time.perf_counter, duration=args.duration)
     held = _HeldLog()
     root = logging.getLogger()
@@ -90,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.captureWarnings(False)
         for line in held.lines:
             print(line, file=sys.stderr)
-        if args.record:
-            print(f"recorded {consumers[-1].events_written} events to {args.record}")
+        for line in summary.lines(consumers) if summary is not None else ():
+            print(line)
+    if boot_errors and isinstance(boot_errors[0], USAGE_ERRORS):
+        raise boot_errors[0]
     if app.state.error is not None:
         print(f"the {'replay' if args.replay else 'engine'} stopped: {app.state.error}", file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 
 The engine (or a replay) runs on its own thread and only ever appends to the buffer; the UI thread
 takes at most ``MAX_EVENTS_PER_TICK`` per tick, so a flood of events delays the picture a little
-instead of freezing it, and nothing the UI does can slow the engine.
+instead of freezing it. The UI shares the process's cores and GIL with a live engine, so the live
+source rations what it hands over to keep the UI's CPU within a budget (``tui.sources``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ TICK_S = 1 / 15
 MAX_EVENTS_PER_TICK = 5000
 SEEK_STEPS = 50
 # Actions that only some sources can do; the footer hides those the current source cannot.
-SOURCE_ACTIONS = frozenset({"toggle_pause", "step", "faster", "slower", "cycle_workload", "burst", "shared_burst",
-                            "seek_back", "seek_forward"})
+SOURCE_ACTIONS = frozenset({"step", "faster", "slower", "cycle_workload", "burst", "shared_burst", "seek_back",
+                            "seek_forward"})
+# Grouped keys share one footer item, so that the whole footer fits 80 columns.
+RATE_KEYS = Binding.Group("Rate", compact=True)
+SEEK_KEYS = Binding.Group("Seek", compact=True)
 
 
 class DashboardApp(App[None]):
@@ -40,15 +44,17 @@ class DashboardApp(App[None]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     BINDINGS = [
-        Binding("space", "toggle_pause", "Pause"),
+        # One key, two bindings: check_action shows the one that fits the state, so the footer says what space does.
+        Binding("space", "pause", "Pause"),
+        Binding("space", "resume", "Resume"),
         Binding("n", "step", "Step"),
-        Binding("plus,equals_sign", "faster", "Faster", key_display="+"),
-        Binding("minus", "slower", "Slower", key_display="-"),
+        Binding("plus,equals_sign", "faster", "Faster", key_display="+", group=RATE_KEYS),
+        Binding("minus", "slower", "Slower", key_display="-", group=RATE_KEYS),
         Binding("w", "cycle_workload", "Workload"),
         Binding("b", "burst", "Burst"),
-        Binding("s", "shared_burst", "Shared burst"),
-        Binding("left_square_bracket", "seek_back", "Back", key_display="["),
-        Binding("right_square_bracket", "seek_forward", "Fwd", key_display="]"),
+        Binding("s", "shared_burst", "Shared"),
+        Binding("left_square_bracket", "seek_back", "Back", key_display="[", group=SEEK_KEYS),
+        Binding("right_square_bracket", "seek_forward", "Forward", key_display="]", group=SEEK_KEYS),
         Binding("slash", "filter", "Filter", key_display="/"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
@@ -148,13 +154,18 @@ class DashboardApp(App[None]):
     # --- keys -----------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("pause", "resume"):
+            return self.source.supports("toggle_pause") and self.source.paused == (action == "resume")
         if action in SOURCE_ACTIONS:
             return self.source.supports(action)
         return True
 
-    def action_toggle_pause(self) -> None:
+    def action_pause(self) -> None:
         self.source.toggle_pause()
+        self.refresh_bindings()  # space is offered as the other one now
         self.render_state(changed=False)
+
+    action_resume = action_pause  # the same toggle under the name the footer shows while paused
 
     def action_step(self) -> None:
         if not self.source.paused:

@@ -1,6 +1,10 @@
-"""Short human units for narrow panels."""
+"""Short human units, and lines fitted to narrow panels."""
 
 from __future__ import annotations
+
+from rich.text import Text
+
+TITLE_INSET = 6  # a border title's room is the panel's width less its corners and the blanks beside it
 
 
 def seconds(value: float | None) -> str:
@@ -33,3 +37,17 @@ def count(value: float) -> str:
 
 def percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
+
+
+def fit(parts: list[tuple[int, Text]], width: int) -> Text:
+    """Join ``parts`` (priority, text) in order, leaving out the lowest priorities until the line fits
+    ``width`` cells; what still does not fit ends in an ellipsis. A narrow terminal keeps what
+    matters on one line instead of wrapping onto a second."""
+    kept = parts
+    for priority in sorted({priority for priority, _ in parts}):
+        if sum(text.cell_len for _, text in kept) <= width or len({p for p, _ in kept}) == 1:
+            break
+        kept = [(p, text) for p, text in kept if p != priority]
+    line = Text(no_wrap=True, overflow="ellipsis").join(text for _, text in kept)
+    line.truncate(width, overflow="ellipsis")
+    return line

@@ -4,21 +4,31 @@ Either way events land in an ``EventBuffer`` that the UI drains on a timer. The 
 appends (a deque append is atomic under the GIL), so the engine never waits for the UI. Control
 markers (``Reset`` after a backward seek, ``EngineError`` from a failed engine or a damaged
 recording) travel through the same buffer so they stay in order with the events around them.
+
+A live engine shares the process with the UI, and with it the CPU and the GIL. ``LiveSource`` keeps
+the UI from slowing it (measured with ``experiments/dashboard_cost.py``): torch gets one core
+fewer than the machine has, the GIL changes hands every millisecond rather than every five, and
+the buffer hands the UI new events only as often as its redraws fit a CPU budget (``RationedBuffer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+import torch
+
 from engine.events import Event
-from engine.workloads import WORKLOADS, Request, make_workload
+from engine.workloads import WORKLOADS, ArrivalPacer, Request, make_workload
 from telemetry.recorder import Replayer
 
 if TYPE_CHECKING:
@@ -30,6 +40,14 @@ BUFFER_CAPACITY = 1 << 20  # a full minute of the fastest engine; past this the 
 RATE_STEP = 1.5
 RATE_LIMITS = (1 / 16, 16.0)
 SPEED_LIMITS = (1 / 8, 64.0)
+# A redraw of every panel costs the UI thread tens of milliseconds of GIL on a small CPU, time the
+# engine thread waits for. Redraws are spaced so that they take at most this share of the time...
+UI_CPU_BUDGET = 0.08
+# ...but the picture is never older than this.
+MAX_HOLD_S = 2.0
+# The interpreter's default (5 ms) lets a busy UI keep the GIL that long each time the engine thread
+# wants it back after a torch call: a step makes hundreds of those calls.
+SWITCH_INTERVAL_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,51 @@ class EventBuffer:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class RationedBuffer(EventBuffer):
+    """An ``EventBuffer`` that hands items over only as often as the UI can afford to draw them.
+
+    After a drain that returned items, the UI applies them and redraws; what that costs the
+    draining thread (``cpu_clock``, its CPU time) is read at its next drain, and items are then held
+    back until that cost is at most ``budget`` of the time since the hand-over (at most
+    ``max_hold_s``). A drain that hit its limit leaves a backlog, which is handed over without
+    waiting. With ``holding`` off items pass at once."""
+
+    def __init__(self, budget: float = UI_CPU_BUDGET, max_hold_s: float = MAX_HOLD_S,
+                 capacity: int = BUFFER_CAPACITY, clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        super().__init__(capacity)
+        self.budget = budget
+        self.max_hold_s = max_hold_s
+        self.holding = True
+        self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._handed_at = -float("inf")
+        self._cpu_at_hand_over: float | None = None
+        self._draw_cost = 0.0
+        self._backlog = False
+
+    def _held(self, now: float) -> bool:
+        if not self.holding or self._backlog:
+            return False
+        return now - self._handed_at < min(self.max_hold_s, self._draw_cost / self.budget)
+
+    def drain(self, limit: int) -> list[Item]:
+        now, cpu = self._clock(), self._cpu_clock()
+        if self._cpu_at_hand_over is not None:
+            self._draw_cost, self._cpu_at_hand_over = cpu - self._cpu_at_hand_over, None
+        if self._held(now):
+            return []
+        items = super().drain(limit)
+        if items:
+            self._handed_at, self._cpu_at_hand_over = now, cpu
+        self._backlog = len(items) == limit and super().__len__() > 0
+        return items
+
+    def __len__(self) -> int:
+        """Items the next drain would hand over."""
+        return 0 if self._held(self._clock()) else super().__len__()
 
 
 class Source:
@@ -132,12 +195,14 @@ class ScriptedSource(Source):
 class _SwitchableWorkload:
     """The live engine's workload iterator; ``w`` swaps the generator behind it without a restart.
 
-    A new workload's arrival times are shifted to start at the moment of the switch."""
+    A new workload's arrival times are shifted to start at the moment of the switch, and
+    ``on_switch`` is called (on the engine thread) when its first request is taken."""
 
-    def __init__(self, workload: Iterator[Request]) -> None:
+    def __init__(self, workload: Iterator[Request], on_switch: Callable[[], None] = lambda: None) -> None:
         self._current = workload
         self._offset = 0.0
         self._next: tuple[Iterator[Request], float] | None = None
+        self._on_switch = on_switch
 
     def switch(self, workload: Iterator[Request], at: float) -> None:
         self._next = (workload, at)  # picked up on the engine thread at its next arrival
@@ -148,13 +213,26 @@ class _SwitchableWorkload:
     def __next__(self) -> Request:
         if self._next is not None:
             (self._current, self._offset), self._next = self._next, None
+            self._on_switch()
         request = next(self._current)
         return dataclasses.replace(request, arrival_time=request.arrival_time + self._offset)
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 class LiveSource(Source):
     """Builds the engine on a worker thread (loading a checkpoint takes seconds; the UI shows
-    meanwhile) and runs it with ``LiveEngine``, which owns the engine from then on."""
+    meanwhile) and runs it with ``LiveEngine``, which owns the engine from then on.
+
+    Without a ``rate`` the workload is paced to the engine (``ArrivalPacer``): on any machine the
+    queue stays a few requests long, so a burst is served within seconds, and ``+``/``-`` scale
+    the load relative to what the engine serves. With a ``rate`` arrivals keep that rate."""
 
     mode = "live"
     _ACTIONS = frozenset({"toggle_pause", "step", "faster", "slower", "cycle_workload", "burst", "shared_burst"})
@@ -162,6 +240,7 @@ class LiveSource(Source):
     def __init__(self, build_llm: Callable[[], LLMEngine], workload: str, seed: int = 0,
                  rate: float | None = None, consumers: list[Consumer] | None = None) -> None:
         super().__init__()
+        self.buffer: RationedBuffer = RationedBuffer()
         self.workload_name = workload
         self.rate_scale = 1.0
         self.phase = "loading"  # loading, running, stopped, failed
@@ -172,7 +251,9 @@ class LiveSource(Source):
         self._bursts = itertools.count(1)
         self.live: LiveEngine | None = None
         self._workload: _SwitchableWorkload | None = None
+        self.pacer = ArrivalPacer() if rate is None else None
         self._vocab_size = 0
+        self._saved_threads: tuple[float, int] | None = None  # switch interval, torch threads
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._boot, name="glassbox-tui-boot", daemon=True)
 
@@ -194,8 +275,10 @@ class LiveSource(Source):
             llm.events.subscribe(self.buffer.put)
             for consumer in self._consumers:
                 consumer.attach(llm.events)
-            self._workload = _SwitchableWorkload(self._make_workload(self.workload_name))
-            live = LiveEngine(llm, self._workload, self.rate_scale, on_error=self._on_error)
+            pacer = self.pacer
+            self._workload = _SwitchableWorkload(self._make_workload(self.workload_name),
+                                                 on_switch=pacer.forget_arrivals if pacer else lambda: None)
+            live = LiveEngine(llm, self._workload, self.rate_scale, on_error=self._on_error, pacer=pacer)
             if self.paused:
                 live.pause()
             self.live = live.start()
@@ -205,9 +288,17 @@ class LiveSource(Source):
 
     def _on_error(self, exc: BaseException) -> None:
         self.phase = "failed"
+        self.buffer.holding = False  # nothing runs any more: the error shows at once
         self.buffer.put(EngineError(f"{type(exc).__name__}: {exc}"))
 
     def start(self) -> None:
+        # Set before the engine is built, so that its thread starts with them; process-wide, so
+        # put back at stop.
+        self._saved_threads = (sys.getswitchinterval(), torch.get_num_threads())
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # Intra-op workers that outnumber the cores left over by the UI spin at every barrier
+        # waiting for a descheduled peer: on 2 cores, 2 threads made steps 10-30x slower.
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), _usable_cores() - 1)))
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
@@ -216,9 +307,15 @@ class LiveSource(Source):
             self.live.stop(timeout)
         if self.phase != "failed":
             self.phase = "stopped"
+        if self._saved_threads is not None and not (self.live is not None and self.live.running):
+            interval, threads = self._saved_threads
+            sys.setswitchinterval(interval)
+            torch.set_num_threads(threads)
+            self._saved_threads = None
 
     def toggle_pause(self) -> None:
         self.paused = not self.paused
+        self.buffer.holding = not self.paused  # a paused engine has nothing to lose: show all at once
         if self.live is not None:
             (self.live.pause if self.paused else self.live.resume)()
 
@@ -265,7 +362,9 @@ class LiveSource(Source):
         if self.phase == "loading":
             return "loading the model..."
         state = {"running": "paused" if self.paused else "live", "stopped": "stopped", "failed": "failed"}[self.phase]
-        return f"{state} · {self.workload_name} · rate ×{self.rate_scale:.2g}"
+        pace = self.pacer.pace if self.pacer is not None else None
+        paced = "" if pace is None else f" (paced ×{pace * self.rate_scale:.2g})"
+        return f"{state} · {self.workload_name} · rate ×{self.rate_scale:.2g}{paced}"
 
 
 class ReplaySource(Source):

@@ -8,10 +8,9 @@ recording always draws the same picture; only a live header passes ``now`` in.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 from engine.events import (
@@ -39,6 +38,7 @@ BUCKET_S = 0.5  # one sparkline column covers this much event time
 HISTORY_BUCKETS = 240
 TIMELINE_STEPS = 400  # enough columns for the widest terminal
 FEED_SIZE = 1000
+FEED_RUN_IDS = 6  # a folded eviction line names this many of its latest blocks
 LATENCY_SAMPLES = 2000
 FINISHED_KEPT = 12  # finished requests stay in the table this long (rows), newest first
 EVICT_FLASH_STEPS = 6  # an evicted block is marked for this many steps after its eviction
@@ -85,11 +85,22 @@ class StepRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """What a feed line folds together: consecutive evictions, or one request's prefill chunks."""
+
+    key: tuple[str, int]  # ("evict", -1), or ("chunk", request id)
+    since: int  # the step of its first event
+    count: int  # events folded in
+    tokens: int = 0  # chunks: prompt tokens computed so far
+    recent: tuple[int, ...] = ()  # evictions: the latest block ids
+
+
+@dataclass(frozen=True, slots=True)
 class FeedEntry:
-    seq: int  # position in the feed; a widget appends only what it has not shown yet
-    step: int
-    category: str  # hit, preempt, evict, reject, error
+    step: int  # the step it happened in; a folded line's latest step
+    category: str  # hit, chunk, preempt, evict, reject, error
     text: str
+    run: Run | None = None  # set on a line that like events fold into while it is the newest
 
 
 @dataclass(slots=True)
@@ -97,7 +108,6 @@ class _StepDraft:
     chunks: int = 0
     preemptions: int = 0
     graph_replay: bool = False
-    evicted: list[int] = field(default_factory=list)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -146,7 +156,7 @@ class DashboardState:
         self.itls: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         # --- feed
         self.feed: deque[FeedEntry] = deque(maxlen=FEED_SIZE)
-        self._feed_seq = 0
+        self.feed_version = 0  # bumped by every change to the feed, a fold included
         # --- what the UI itself contributes
         self.error: str | None = None
         self.dropped = 0
@@ -167,7 +177,7 @@ class DashboardState:
 
     def set_error(self, message: str) -> None:
         self.error = message
-        self._post(self.last_step, "error", message)
+        self._post(FeedEntry(self.last_step, "error", message))
 
     # --- derived views -------------------------------------------------------------------------
 
@@ -242,16 +252,36 @@ class DashboardState:
         done = [self.requests[i] for i in reversed(self.finished_order)]
         return live + done
 
-    def feed_after(self, seq: int) -> list[FeedEntry]:
-        """Entries newer than ``seq`` (the feed is in seq order, so a bisect finds the start)."""
-        seqs = [e.seq for e in self.feed]
-        return list(self.feed)[bisect.bisect_right(seqs, seq):]
-
     # --- reducers, one per event type ----------------------------------------------------------
 
-    def _post(self, step: int, category: str, text: str) -> None:
-        self._feed_seq += 1
-        self.feed.append(FeedEntry(self._feed_seq, step, category, text))
+    def _post(self, entry: FeedEntry) -> None:
+        """Add a line where its step puts it. Lines are posted as events arrive, which is step order
+        except for what a step's results cause: with asynchronous scheduling those land after the
+        next step's decisions, so such a line goes in before the later steps' lines."""
+        self.feed_version += 1
+        feed = self.feed
+        if not feed or feed[-1].step <= entry.step:
+            feed.append(entry)
+            return
+        if len(feed) == feed.maxlen:
+            feed.popleft()  # a full deque refuses inserts
+        index = len(feed)
+        while index and feed[index - 1].step > entry.step:
+            index -= 1
+        feed.insert(index, entry)
+
+    def _run_to_extend(self, key: tuple[str, int], step: int) -> Run | None:
+        """The newest line's run when an event with ``key`` at ``step`` folds into it."""
+        run = self.feed[-1].run if self.feed else None
+        return run if run is not None and run.key == key and self.feed[-1].step <= step else None
+
+    def _fold(self, step: int, category: str, run: Run, text: str) -> None:
+        """Post ``run``'s line, replacing the newest line when that is the run so far."""
+        if run.count > 1:
+            self.feed_version += 1
+            self.feed[-1] = FeedEntry(step, category, text, run)
+        else:
+            self._post(FeedEntry(step, category, text, run))
 
     def _draft_for(self, step: int) -> _StepDraft:
         draft = self._draft.get(step)
@@ -273,7 +303,7 @@ class DashboardState:
 
     def _on_rejected(self, e: RequestRejected) -> None:
         self.num_rejected += 1
-        self._post(e.step, "reject", f"reject #{e.request_id}: {e.reason}")
+        self._post(FeedEntry(e.step, "reject", f"reject #{e.request_id} ({e.code}): {e.reason}"))
 
     def _on_prefix_hit(self, e: PrefixHit) -> None:
         self.query_tokens += e.query_tokens
@@ -282,7 +312,7 @@ class DashboardState:
         if row is not None and row.state == "waiting":  # first admission; re-admissions after a preemption keep it
             row.cached_tokens = e.hit_tokens
         if e.hit_tokens:
-            self._post(e.step, "hit", f"hit #{e.request_id} {e.hit_tokens}/{e.query_tokens} tok cached")
+            self._post(FeedEntry(e.step, "hit", f"hit #{e.request_id} {e.hit_tokens}/{e.query_tokens} tok cached"))
 
     def _set_refcounts(self, block_ids: tuple[int, ...], refcounts: tuple[int, ...]) -> None:
         n = len(self.refcounts)
@@ -306,7 +336,17 @@ class DashboardState:
             self.cached[e.block_id] = False
         self.evicted_at[e.block_id] = e.step
         self.num_evictions += 1
-        self._draft_for(e.step).evicted.append(e.block_id)
+        # Posted now, under its own step: left for the step's ``step`` event, it would follow the next
+        # step's lines (asynchronous scheduling). A storm (each decode step reusing a cached block) is
+        # one line until something else is posted.
+        run = self._run_to_extend(("evict", -1), e.step)
+        if run is None:
+            run = Run(("evict", -1), e.step, 1, recent=(e.block_id,))
+        else:
+            run = Run(run.key, run.since, run.count + 1, recent=(*run.recent, e.block_id)[-FEED_RUN_IDS:])
+        ids = ("… " if run.count > len(run.recent) else "") + " ".join(map(str, run.recent))
+        since = f" (since {run.since})" if run.since != e.step else ""
+        self._fold(e.step, "evict", run, f"evict {run.count} cached blk: {ids}{since}")
 
     def _on_schedule(self, e: Schedule) -> None:
         for request_id in e.request_ids:
@@ -316,6 +356,18 @@ class DashboardState:
         chunks = sum(e.chunked)
         self._draft_for(e.step).chunks += chunks
         self.num_chunks += chunks
+        for request_id, tokens, chunked in zip(e.request_ids, e.num_tokens, e.chunked):
+            if chunked:
+                self._on_chunk(e.step, request_id, tokens)
+
+    def _on_chunk(self, step: int, request_id: int, tokens: int) -> None:
+        run = self._run_to_extend(("chunk", request_id), step)
+        if run is None:
+            run = Run(("chunk", request_id), step, 1, tokens)
+        else:
+            run = Run(run.key, run.since, run.count + 1, run.tokens + tokens)
+        plural = "s" if run.count > 1 else ""
+        self._fold(step, "chunk", run, f"prefill #{request_id}: {run.count} chunk{plural}, {run.tokens} tok")
 
     def _on_preempt(self, e: Preempt) -> None:
         self.num_preemptions += 1
@@ -324,11 +376,9 @@ class DashboardState:
             row.state = "preempted"
             row.preemptions += 1
         self._draft_for(e.step).preemptions += 1
-        if e.for_request_id == e.request_id:
-            why = "no block left for its own next token"
-        else:
-            why = f"so #{e.for_request_id} can decode"
-        self._post(e.step, "preempt", f"preempt #{e.request_id} ({e.freed_blocks} blk freed) {why}")
+        # Who it gave way to comes before the detail, which a narrow panel may crop.
+        whom = "its own next token" if e.for_request_id == e.request_id else f"#{e.for_request_id}"
+        self._post(FeedEntry(e.step, "preempt", f"preempt #{e.request_id} for {whom}: {e.freed_blocks} blk freed"))
 
     def _on_graph_replay(self, e: CudaGraphReplay) -> None:
         self.num_graph_replays += 1
@@ -342,9 +392,6 @@ class DashboardState:
         self.timeline.append(StepRecord(e.step, e.phase, e.num_seqs, e.num_prefill_tokens, e.num_decode_tokens,
                                         draft.chunks, draft.preemptions, draft.graph_replay, e.padded_batch_size,
                                         e.duration_s))
-        if draft.evicted:
-            shown = " ".join(str(b) for b in draft.evicted[:6]) + (" …" if len(draft.evicted) > 6 else "")
-            self._post(e.step, "evict", f"evict {len(draft.evicted)} cached blk: {shown}")
         self._recent_steps.append((e.t, e.num_prefill_tokens, e.num_decode_tokens))
         while self._recent_steps and self._recent_steps[0][0] <= e.t - RATE_WINDOW_S:
             self._recent_steps.popleft()

@@ -23,9 +23,16 @@ from tui.state import BlockState, DashboardState
 GLYPHS = {BlockState.FREE: ("·", palette.FREE), BlockState.CACHED: ("□", f"bold {palette.CACHED}"),
           BlockState.USED: ("■", palette.USED), BlockState.SHARED: ("■", f"bold {palette.SHARED}")}
 EVICTED = ("■", f"bold {palette.EVICTED}")
-# The legend sits on the panel's bottom border; free (·) is left out so it fits 80 columns.
-LEGEND = (f"[{palette.USED}]■[/]used [b {palette.SHARED}]■[/]shared [b {palette.CACHED}]□[/]cached "
-          f"[b {palette.EVICTED}]■[/]evicted")
+
+
+def _legend(evicted: str) -> str:
+    return (f"[{palette.USED}]■[/]used [b {palette.SHARED}]■[/]shared [b {palette.CACHED}]□[/]cached "
+            f"[b {palette.EVICTED}]■[/]{evicted}")
+
+
+# The legend sits on the panel's bottom border; free (·) is left out, and at 80 columns it says "evict".
+LEGEND, LEGEND_NARROW = _legend("evicted"), _legend("evict")
+LEGEND_WIDTH = len("■used ■shared □cached ■evicted")
 
 
 class BlockGrid(Widget):
@@ -78,7 +85,6 @@ class BlockMapPanel(Vertical):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.border_title = "KV blocks"
-        self.border_subtitle = LEGEND
         self._state: DashboardState | None = None
 
     def compose(self) -> ComposeResult:
@@ -98,13 +104,13 @@ class BlockMapPanel(Vertical):
         size = f"{state.num_blocks} × {engine.block_size} tok" if engine else ""
         group = grid.blocks_per_cell()
         self.border_title = f"KV blocks  {size}" + (f" · {group}/cell" if group > 1 else "")
-        stats = Text()
-        stats.append("usage ", style="dim")
-        stats.append(fmt.percent(state.kv_usage), style="bold")
-        stats.append("  hit rate ", style="dim")
-        stats.append(fmt.percent(state.hit_rate), style="bold")
-        stats.append("  cached ", style="dim")
-        stats.append(str(counts[BlockState.CACHED]), style=f"bold {palette.CACHED}")
-        stats.append("  evicted ", style="dim")
-        stats.append(str(state.num_evictions), style=f"bold {palette.EVICTED}" if state.num_evictions else "bold")
-        self.query_one("#kv-stats", Static).update(stats)
+        room = self.outer_size.width - fmt.TITLE_INSET
+        self.border_subtitle = LEGEND if room >= LEGEND_WIDTH else LEGEND_NARROW
+        usage = Text.assemble(("usage ", "dim"), (fmt.percent(state.kv_usage), "bold"), ("  hit rate ", "dim"),
+                              (fmt.percent(state.hit_rate), "bold"))
+        evicted_style = f"bold {palette.EVICTED}" if state.num_evictions else "bold"
+        blocks = Text.assemble(("cached ", "dim"), (str(counts[BlockState.CACHED]), f"bold {palette.CACHED}"),
+                               ("  evicted ", "dim"), (str(state.num_evictions), evicted_style))
+        # Two whole lines where one does not fit, rather than a wrap in the middle of a pair.
+        one_line = usage.cell_len + 2 + blocks.cell_len <= self.query_one("#kv-stats").size.width
+        self.query_one("#kv-stats", Static).update(Text("  " if one_line else "\n").join((usage, blocks)))

@@ -14,7 +14,8 @@ from tui.state import BUCKET_S, DashboardState
 class LatencyPanel(Vertical):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.border_title = f"Throughput ({BUCKET_S:g}s buckets) and latency"
+        self.border_title = "Throughput and latency"
+        self.border_subtitle = f"{BUCKET_S:g} s per column"
         self._state: DashboardState | None = None
 
     def on_resize(self) -> None:

@@ -43,6 +43,7 @@ class RequestsPanel(Vertical):
         self.border_title = "Queues"
         self._shown: dict[int, Cells] = {}
         self._order: list[int] = []
+        self._state: DashboardState | None = None
 
     def compose(self) -> ComposeResult:
         table: DataTable[Text] = DataTable(cursor_type="none", show_cursor=False, cell_padding=0)
@@ -50,12 +51,18 @@ class RequestsPanel(Vertical):
             table.add_column(label, key=key)
         yield table
 
+    def on_resize(self) -> None:
+        if self._state is not None:  # the title's room depends on the width
+            self.call_after_refresh(self.show, self._state)
+
     def show(self, state: DashboardState) -> None:
-        title = (f"Queues [{palette.WAITING}]waiting {state.waiting}[/] · [{palette.DECODE}]running "
-                 f"{state.running}[/] · done {state.num_finished}")
+        self._state = state
+        parts = [(1, Text("Queues ")), (9, Text(f"waiting {state.waiting}", style=palette.WAITING)),
+                 (9, Text.assemble(" · ", (f"running {state.running}", palette.DECODE))),
+                 (5, Text(f" · done {state.num_finished}"))]
         if state.num_rejected:
-            title += f" · [{palette.REJECT}]rejected {state.num_rejected}[/]"
-        self.border_title = title
+            parts.append((6, Text.assemble(" · ", (f"rejected {state.num_rejected}", palette.REJECT))))
+        self.border_title = fmt.fit(parts, self.outer_size.width - fmt.TITLE_INSET)
         table = self.query_one(DataTable)
         rows = state.table_rows()
         wanted = {row.request_id: _cells(row) for row in rows}

@@ -42,15 +42,24 @@ class StepTimeline(Widget):
         self.border_title = "Steps"
         self.border_subtitle = LEGEND
 
+    def on_resize(self) -> None:
+        if self._state is not None:  # the title's room depends on the width
+            self.show(self._state)
+
     def show(self, state: DashboardState) -> None:
         self._state = state
         if state.timeline:
             last = state.timeline[-1]
             tokens = last.prefill_tokens or last.decode_tokens
-            replay = f" · graph {last.padded_batch_size}" if last.graph_replay else ""
-            self.border_title = (f"Steps  #{last.step} {last.phase} · {last.num_seqs} seqs · {tokens} tok · "
-                                 f"{fmt.seconds(last.duration_s)}{replay} · chunks {state.num_chunks}"
-                                 f" · preemptions {state.num_preemptions}")
+            # (priority, text): a narrow panel keeps the step and the run's chunk and preemption counts.
+            parts = [(1, Text("Steps  ")), (9, Text(f"#{last.step} {last.phase}")),
+                     (4, Text(f" · {last.num_seqs} seqs")), (5, Text(f" · {tokens} tok")),
+                     (3, Text(f" · {fmt.seconds(last.duration_s)}"))]
+            if last.graph_replay:
+                parts.append((2, Text(f" · graph {last.padded_batch_size}")))
+            parts += [(6, Text(f" · chunks {state.num_chunks}")),
+                      (7, Text(f" · preemptions {state.num_preemptions}"))]
+            self.border_title = fmt.fit(parts, self.outer_size.width - fmt.TITLE_INSET)
         self.refresh()
 
     def render(self) -> Text:

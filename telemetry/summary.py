@@ -1,0 +1,91 @@
+"""The few lines that end a live run: what became of its requests, and where its recording is.
+
+Counted from the engine's events, like every other consumer. A live engine aborts what is still in
+flight when it stops (reason ``abort``); those are told apart from a client's aborts by time: the
+run marks the moment it asks the engine to stop (``mark_stopping``), and an abort finished at or
+after that mark was the shutdown's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.events import EngineStarted, Event, RequestArrived, RequestFinished, RequestRejected, Tokens
+from telemetry.event_queue import Consumer
+from telemetry.recorder import EventRecorder
+
+
+class RunSummary(Consumer):
+    name = "summary"
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # engine_started's time: None until an engine ran
+        self.stopping: float | None = None
+        self.arrived = 0
+        self.finished: Counter[str] = Counter()  # by reason; the shutdown's aborts are not in it
+        self.aborted_at_stop = 0
+        self.rejected: Counter[str] = Counter()  # by rejection code
+        self.tokens = 0
+        self._handlers: dict[type[Event], Callable[[Any], None]] = {
+            EngineStarted: self._on_engine_started,
+            RequestArrived: self._on_arrived,
+            RequestFinished: self._on_finished,
+            RequestRejected: self._on_rejected,
+            Tokens: self._on_tokens,
+        }
+        super().__init__()
+
+    def mark_stopping(self) -> None:
+        """Call just before stopping the engine: aborts from then on are the shutdown's."""
+        if self.stopping is None:
+            self.stopping = time.perf_counter()
+
+    def handle(self, event: Event) -> None:
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _on_engine_started(self, e: EngineStarted) -> None:
+        self.started = e.t
+
+    def _on_arrived(self, e: RequestArrived) -> None:
+        self.arrived += 1
+
+    def _on_finished(self, e: RequestFinished) -> None:
+        if e.reason == "abort" and self.stopping is not None and e.finished >= self.stopping:
+            self.aborted_at_stop += 1
+        else:
+            self.finished[e.reason] += 1
+
+    def _on_rejected(self, e: RequestRejected) -> None:
+        self.rejected[e.code] += 1
+
+    def _on_tokens(self, e: Tokens) -> None:
+        self.tokens += len(e.token_ids)
+
+    def lines(self, consumers: Sequence[Consumer] = ()) -> list[str]:
+        """The summary, once the run has stopped and its consumers are closed (their counts final);
+        empty when no engine ever started. A recorder among ``consumers`` is named with its count."""
+        if self.started is None:
+            return []
+        ended = self.stopping if self.stopping is not None else time.perf_counter()
+        requests = self.arrived + sum(self.rejected.values())
+        lines = [f"run summary: {ended - self.started:.1f} s, {requests:,} requests",
+                 f"  finished   {sum(self.finished.values()):,}{_breakdown(self.finished)}",
+                 f"  aborted    {self.aborted_at_stop:,} still in flight when the run stopped",
+                 f"  rejected   {sum(self.rejected.values()):,}{_breakdown(self.rejected)}",
+                 f"  tokens     {self.tokens:,} generated"]
+        for consumer in consumers:
+            if isinstance(consumer, EventRecorder):
+                lines.append(f"  recording  {consumer.path}: {consumer.events_written:,} events"
+                             + (f" ({consumer.dropped:,} dropped)" if consumer.dropped else ""))
+        if self.dropped:
+            lines.append(f"  (this summary missed {self.dropped:,} events: its counts are low)")
+        return lines
+
+
+def _breakdown(counts: Counter[str]) -> str:
+    return " (" + ", ".join(f"{key} {n:,}" for key, n in counts.most_common()) + ")" if counts else ""

@@ -1,0 +1,38 @@
+"""The README's Python snippet, run as a newcomer runs it, prints what the README says it prints."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README_CHECKPOINT = "/tmp/tiny"  # where the README's `python -m models.checkpoint` line puts it
+
+
+def readme_snippet() -> str:
+    section = (REPO / "README.md").read_text().split("## Using the engine", 1)[1]
+    snippet, = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], flags=re.DOTALL)
+    return snippet
+
+
+def test_the_readme_snippet_prints_one_event_per_line_then_the_text(tiny_checkpoint, tmp_path):
+    snippet = readme_snippet()
+    assert snippet.count(f'"{README_CHECKPOINT}"') == 1, "the snippet no longer loads the README's checkpoint"
+    # A fresh interpreter, away from the repository: what a reader pastes into `python`.
+    result = subprocess.run([sys.executable, "-c", snippet.replace(README_CHECKPOINT, str(tiny_checkpoint))],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # No progress bar: on a terminal it would share its lines with the events.
+    assert "Generating" not in result.stderr, result.stderr
+    lines = result.stdout.splitlines()
+    events = [line for line in lines if re.match(r"[A-Z]\w*\(t=", line)]
+    assert events == lines[:len(events)], "something other than an event was printed among them"
+    kinds = {line.split("(", 1)[0] for line in events}
+    assert {"EngineStarted", "RequestArrived", "Schedule", "Tokens", "Step", "RequestFinished"} <= kinds
+    # Then the first output (its text may itself hold newlines) and its token ids.
+    output = "\n".join(lines[len(events):])
+    text, ids = re.fullmatch(r"(.*) \[([\d, ]+)\]", output, flags=re.DOTALL).groups()
+    assert len(ids.split(",")) == 16
+    assert "<|filler_" in text  # the README explains the filler tokens a random-weight model emits
