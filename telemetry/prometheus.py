@@ -379,10 +379,12 @@ class PrometheusExporter(Consumer):
             self.admission_rejections[e.code].inc()
 
     def _on_prefix_hit(self, e: PrefixHit) -> None:
+        req = self._requests.get(e.request_id)
+        if req is not None and req.cached_tokens is not None:
+            return  # a re-admission after a preemption: vLLM keeps those out of the exported counters
         self.prefix_queries.inc(e.query_tokens)
         self.prefix_hits.inc(e.hit_tokens)
-        req = self._requests.get(e.request_id)
-        if req is not None and req.cached_tokens is None:
+        if req is not None:
             req.cached_tokens = e.hit_tokens
 
     def _on_block_stored(self, e: BlockStored) -> None:

@@ -150,8 +150,12 @@ def test_totals_agree_with_the_event_stream(exporter, events):
     assert value(fam, "vllm:prompt_tokens_total") == sum(e.prompt_tokens for e in finished if e.request_id in served)
     for reason, count in Counter(e.reason for e in finished).items():
         assert value(fam, "vllm:request_success_total", finished_reason=reason) == count
-    assert value(fam, "vllm:prefix_cache_hits_total") == sum(e.hit_tokens for e in hits) > 0
-    assert value(fam, "vllm:prefix_cache_queries_total") == sum(e.query_tokens for e in hits)
+    # First admissions only, as vLLM: a request re-admitted after a preemption finds its own blocks.
+    first_hits = list({e.request_id: e for e in reversed(hits)}.values())
+    assert len(first_hits) < len(hits), "the workload has no re-admission"
+    assert value(fam, "vllm:prefix_cache_hits_total") == sum(e.hit_tokens for e in first_hits) > 0
+    assert value(fam, "vllm:prefix_cache_queries_total") == sum(e.query_tokens for e in first_hits)
+    assert sum(e.hit_tokens for e in hits) > sum(e.hit_tokens for e in first_hits)  # re-admissions hit
     assert value(fam, "vllm:num_preemptions_total") == kinds["preempt"] > 0
     assert value(fam, "vllm:request_num_preemptions_sum") == kinds["preempt"]
     assert value(fam, "vllm:e2e_request_latency_seconds_count") == len(finished)

@@ -306,11 +306,14 @@ class DashboardState:
         self._post(FeedEntry(e.step, "reject", f"reject #{e.request_id} ({e.code}): {e.reason}"))
 
     def _on_prefix_hit(self, e: PrefixHit) -> None:
-        self.query_tokens += e.query_tokens
-        self.hit_tokens += e.hit_tokens
         row = self.requests.get(e.request_id)
-        if row is not None and row.state == "waiting":  # first admission; re-admissions after a preemption keep it
-            row.cached_tokens = e.hit_tokens
+        # The hit rate counts first admissions only, as vLLM's prefix_cache_queries/hits: a request
+        # re-admitted after a preemption would find its own blocks and inflate it.
+        if row is None or row.state == "waiting":
+            self.query_tokens += e.query_tokens
+            self.hit_tokens += e.hit_tokens
+            if row is not None:
+                row.cached_tokens = e.hit_tokens
         if e.hit_tokens:
             self._post(FeedEntry(e.step, "hit", f"hit #{e.request_id} {e.hit_tokens}/{e.query_tokens} tok cached"))
 
