@@ -168,6 +168,8 @@ class PrometheusExporter(Consumer):
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests: dict[int, _Request] = {}
+        # This step's tokens as vLLM's iteration_tokens counts them (see _on_first_token).
+        self._step_tokens = 0
         self._num_blocks: int | None = None
         self._config_metrics_ready = False
         self._create_metrics()
@@ -368,6 +370,7 @@ class PrometheusExporter(Consumer):
         ).set(1)
         self._num_blocks = e.num_blocks
         self._requests.clear()
+        self._step_tokens = 0
         self._set_gauges(0, 0, e.num_blocks)
 
     def _on_arrived(self, e: RequestArrived) -> None:
@@ -404,7 +407,9 @@ class PrometheusExporter(Consumer):
 
     def _on_step(self, e: Step) -> None:
         self._set_gauges(e.running, e.waiting, e.free_blocks)
-        self.iteration_tokens.observe(e.num_prefill_tokens + e.num_decode_tokens)
+        # The step's tokens and first tokens were emitted just before its step event.
+        self.iteration_tokens.observe(self._step_tokens)
+        self._step_tokens = 0
         phase = e.phase
         if phase not in self.steps:
             self.steps[phase] = self._steps_family.labels(self.model_name, self.engine, phase)
@@ -420,6 +425,7 @@ class PrometheusExporter(Consumer):
 
     def _on_tokens(self, e: Tokens) -> None:
         self.generation_tokens.inc(len(e.token_ids))
+        self._step_tokens += len(e.token_ids)
         gaps: dict[float, int] = {}  # previous token's time -> requests
         requests, t = self._requests, e.t
         for rid in e.request_ids:
@@ -437,8 +443,10 @@ class PrometheusExporter(Consumer):
         if req is None:
             return
         self.ttft.observe(e.t - req.arrival)
-        # vLLM counts a request's prompt once, when its prefill completes.
+        # vLLM counts a request's prompt once, when its prefill completes; its iteration_tokens
+        # credits the computed part of it (not the prefix-cache hit) to that step, chunks and all.
         cached = req.cached_tokens or 0
+        self._step_tokens += req.prompt_tokens - cached
         self.prompt_tokens.inc(req.prompt_tokens)
         self.prompt_tokens_cached.inc(cached)
         self.prompt_by_source["local_cache_hit"].inc(cached)

@@ -163,8 +163,21 @@ def test_totals_agree_with_the_event_stream(exporter, events):
     assert value(fam, "vllm:inter_token_latency_seconds_count") == (
         sum(e.output_tokens for e in finished) - kinds["first_token"]
     )
+    # vLLM's rule: each step observes its generated tokens plus the computed (uncached) prompt tokens
+    # of the requests whose prefill it completed, chunks included; re-prefills after a preemption and
+    # mid-prompt chunks add nothing of their own.
+    arrived = {e.request_id: e.prompt_tokens for e in events if e.kind == "request_arrived"}
+    first_hit = {e.request_id: e.hit_tokens for e in reversed(hits)}
+    expected = [0] * len(steps)
+    by_step = {s.step: i for i, s in enumerate(steps)}
+    for e in events:
+        if e.kind == "tokens":
+            expected[by_step[e.step]] += len(e.token_ids)
+        elif e.kind == "first_token":
+            expected[by_step[e.step]] += arrived[e.request_id] - first_hit[e.request_id]
     assert value(fam, "vllm:iteration_tokens_total_count") == len(steps)
-    assert value(fam, "vllm:iteration_tokens_total_sum") == sum(e.num_prefill_tokens + e.num_decode_tokens for e in steps)
+    assert value(fam, "vllm:iteration_tokens_total_sum") == sum(expected)
+    assert sum(expected) != sum(e.num_prefill_tokens + e.num_decode_tokens for e in steps)  # not the old rule
     rejected = Counter(e.code for e in events if e.kind == "request_rejected")
     assert rejected["invalid"] > 0
     for code in REJECTION_CODES:
