@@ -374,6 +374,8 @@ class LLMEngine:
 
     def _queue_until_full(self, unqueued: deque[tuple[int, list[int], SamplingParams]]) -> None:
         """Move checked requests into the waiting queue while it has room."""
+        if not unqueued:
+            return  # the common case once everything is queued: nothing to do on this step
         limit = self.config.max_waiting_requests
         room = len(unqueued) if limit is None else limit - len(self.scheduler.waiting)
         with self.events.held():  # the arrivals publish with the next step, not one by one

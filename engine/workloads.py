@@ -182,6 +182,7 @@ class ArrivalPacer:
         self.pace: float | None = None  # None until both rates are known: run at the workload's own
         self.capacity: float | None = None  # served tokens per busy second
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=horizon)
+        self._offered: float | None = None  # work per workload-clock second, from the arrivals
         self._busy = 0.0
         self._tokens = 0
         self._waiting = 0
@@ -194,11 +195,13 @@ class ArrivalPacer:
     def offered(self, at: float, request: Request) -> None:
         """``request`` arrived at ``at`` seconds of the workload clock (in order of ``at``)."""
         self._arrivals.append((at, len(request.prompt_token_ids) + request.sampling_params.max_tokens))
+        self._offered = self._offered_rate()
         self._update()
 
     def forget_arrivals(self) -> None:
         """A different workload starts: its rate has nothing to do with the last one's."""
         self._arrivals.clear()
+        self._offered = None
         self._update()
 
     def served(self, busy_s: float, tokens: int, waiting: int) -> None:
@@ -222,12 +225,11 @@ class ArrivalPacer:
         return sum(work for _, work in itertools.islice(self._arrivals, 1, None)) / span
 
     def _update(self) -> None:
-        offered = self._offered_rate()
-        if offered is None or self.capacity is None:
+        if self._offered is None or self.capacity is None:
             self.pace = None
             return
         queue_term = max(0.0, 1 + self.headroom * (1 - self._waiting / self.target_waiting))
-        self.pace = self.capacity * queue_term / offered
+        self.pace = self.capacity * queue_term / self._offered
 
 
 WORKLOADS: dict[str, Callable[..., Iterator[Request]]] = {

@@ -17,7 +17,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any, Callable
 
 from engine.events import EngineStarted, Event, Preempt, PrefixHit, RequestFinished, Step, Tokens

@@ -37,7 +37,7 @@ LINGER_BYTES = 1 << 16
 
 
 class PortInUseError(OSError):
-    pass
+    """The port asked for is taken; the message says which and what to pass instead."""
 
 
 class _Handler(BaseHTTPRequestHandler):
