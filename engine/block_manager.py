@@ -69,7 +69,7 @@ class BlockManager:
         h.update(np.array(token_ids, dtype=np.int64).tobytes())
         return h.intdigest()
 
-    def _is_cache_entry(self, block: Block) -> bool:
+    def is_cache_entry(self, block: Block) -> bool:
         """Whether ``block`` is the one the prefix cache hands out for its hash."""
         return block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id
 
@@ -78,7 +78,7 @@ class BlockManager:
         as ``(block_id, hash)``, for the caller to emit once its own state is complete."""
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
-        if self._is_cache_entry(block):
+        if self.is_cache_entry(block):
             del self.hash_to_block_id[block.hash]
             evicted.append((block_id, block.hash))
         block.reset()
@@ -156,7 +156,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.used_block_ids.remove(block_id)
-                if self._is_cache_entry(block):
+                if self.is_cache_entry(block):
                     self.free_block_ids.append(block_id)
                 else:
                     # Holds nothing reusable: hand it out before any cached block.
@@ -170,7 +170,7 @@ class BlockManager:
     def uncache(self, seq: Sequence) -> None:
         """Withdraw the prefix-cache entries of ``seq``'s blocks (their K/V cannot be trusted). The
         blocks keep their hashes, which later blocks of other requests chain from."""
-        withdrawn = [(b, self.blocks[b].hash) for b in seq.block_table if self._is_cache_entry(self.blocks[b])]
+        withdrawn = [(b, self.blocks[b].hash) for b in seq.block_table if self.is_cache_entry(self.blocks[b])]
         for _, hash_ in withdrawn:
             del self.hash_to_block_id[hash_]
         self._emit_evictions(withdrawn)

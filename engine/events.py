@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 # Version 2: every kind named once (a class attribute, not a field); ``step`` has ``launch_s``/``wait_s``
 # (were ``forward_s``/``sample_s``) and the post-step queue and pool counts; ``request_finished`` has
 # ``last_token`` (``last_scheduled`` is gone); ``request_rejected`` has a reason ``code``.
-SCHEMA_VERSION = 2
+# Version 3: ``engine_started`` has ``gpu_memory_utilization``; ``request_arrived`` has ``top_p``,
+# ``top_k``, the client's request id and its W3C trace context; ``snapshot`` is new.
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ class EngineStarted(Event):
     enable_prefix_caching: bool
     enforce_eager: bool
     tensor_parallel_size: int
+    gpu_memory_utilization: float
     # Wall-clock time (seconds since the epoch) taken together with ``t``: epoch = wall_time + (x - t).
     wall_time: float
 
@@ -75,7 +78,14 @@ class RequestArrived(Event):
     prompt_tokens: int
     max_tokens: int
     temperature: float
+    top_p: float
+    top_k: int  # 0: every token
     arrival: float
+    # What the caller named the request (a server: the client's X-Request-Id or its response id).
+    client_id: str | None
+    # The W3C trace context the request came with (``traceparent``/``tracestate`` headers), if any.
+    traceparent: str | None
+    tracestate: str | None
 
 
 # "invalid": the request can never be served as given; "queue_full": the waiting queue is at its limit.
@@ -224,6 +234,29 @@ class RequestFinished(Event):
     finished: float
 
 
+
+
+# Request states in a snapshot: waiting (never admitted), preempted (waiting again), prefill (admitted,
+# prompt not yet computed; a chunked one may still be in waiting), decode.
+SNAPSHOT_STATES = ("waiting", "preempted", "prefill", "decode")
+
+
+@_event("snapshot")
+class Snapshot(Event):
+    """The engine's state between two steps, for a consumer that joins a running engine: every
+    request in ``waiting`` then ``running`` order (parallel tuples) and every KV block. Never
+    emitted on the bus; the events after it apply on top of it."""
+
+    request_ids: tuple[int, ...]
+    states: tuple[str, ...]  # one of SNAPSHOT_STATES
+    prompt_tokens: tuple[int, ...]
+    max_tokens: tuple[int, ...]
+    arrivals: tuple[float, ...]
+    cached_tokens: tuple[int, ...]  # prompt tokens served by the prefix cache at first admission
+    output_tokens: tuple[int, ...]
+    num_preemptions: tuple[int, ...]
+    refcounts: tuple[int, ...]  # per block
+    cached: tuple[bool, ...]  # per block: it is a prefix-cache entry (a hit can reuse it)
 
 
 _field_names: dict[type[Event], tuple[str, ...]] = {}

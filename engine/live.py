@@ -30,50 +30,69 @@ _IDLE_WAIT_S = 0.02  # how long the loop sleeps when idle before looking again
 
 
 class RequestHandle:
-    """A submitted request: iterate it for tokens as they come, or ``result()`` to wait for all."""
+    """A submitted request, filled in by the engine's thread and read from any other.
+
+    ``request_id`` is set when the engine admits it (``error`` when it refuses it); ``token_ids``
+    only grows; ``finish_reason`` is set after the last token is in, so a reader that sees it set
+    and then reads ``token_ids`` has every token. The loop tells the ``LiveEngine``'s ``notify``
+    callback which handles changed, once per step; by default each handle wakes its own waiters.
+    Threads wait with ``result()`` or iterate the handle for tokens as they come."""
 
     def __init__(self) -> None:
         self.request_id: int | None = None
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
-        self._stream: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._done = threading.Event()
+        # What request_finished adds: prompt tokens served by the prefix cache, and its times.
+        self.finished: RequestFinished | None = None
+        self._changed = threading.Condition()
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self.finish_reason is not None
+
+    def wake(self) -> None:
+        """Wake the threads waiting on this handle (the default ``notify``)."""
+        with self._changed:
+            self._changed.notify_all()
 
     def result(self, timeout: float | None = None) -> list[int]:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.finish_reason is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
         if self.error is not None:
             raise self.error
         return self.token_ids
 
     def __iter__(self) -> Iterator[int]:
-        while (token := self._stream.get()) is not None:
-            yield token
+        sent = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self.token_ids) > sent or self.finish_reason is not None)
+                finished = self.finish_reason is not None
+                new = self.token_ids[sent:]
+            sent += len(new)
+            yield from new
+            if finished:
+                break
         if self.error is not None:
             raise self.error
 
-    def _token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        self._stream.put(token_id)
-
-    def _finish(self, reason: str | None, error: BaseException | None = None) -> None:
-        self.finish_reason, self.error = reason, error
-        self._stream.put(None)
-        self._done.set()
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        self.error = error
+        self.finish_reason = reason
 
 
 class LiveEngine:
     """``with LiveEngine(llm, workload) as live: ...`` runs ``llm`` until the block exits."""
 
     def __init__(self, llm: LLMEngine, workload: Iterable[Request] | None = None, rate_scale: float = 1.0,
-                 on_error: Callable[[BaseException], None] | None = None, pacer: ArrivalPacer | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, pacer: ArrivalPacer | None = None,
+                 notify: Callable[[list[RequestHandle]], None] | None = None) -> None:
         self.llm = llm
         self.on_error = on_error
+        # Called on the loop thread, once per step at most, with the handles that changed.
+        self.notify = notify or _wake_all
         self.error: BaseException | None = None
         self.rate_scale = rate_scale
         self.pacer = pacer
@@ -85,13 +104,16 @@ class LiveEngine:
         self._pending: list[tuple[float, int, Request]] = []  # follow-up turns and injected bursts
         self._order = itertools.count()
         self._handles: dict[int, RequestHandle] = {}
+        self._changed: dict[int, RequestHandle] = {}  # by id(handle), since the last notify
         self._followups: dict[int, Request] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._single_steps = 0
         self._thread = threading.Thread(target=self._run, name="glassbox-engine", daemon=True)
-        self._unsubscribe = llm.events.subscribe(self._on_event)
+        # Batched: a step's tokens reach the handles where the engine publishes, just before it
+        # waits for the GPU, so whoever the handles wake works while this thread needs no GIL.
+        self._unsubscribe = llm.events.subscribe(self._on_events, batched=True)
 
     # --- control, from any thread -------------------------------------------------------------
 
@@ -147,39 +169,73 @@ class LiveEngine:
                 heapq.heappush(self._pending, (self.workload_time + r.arrival_time, next(self._order), r))
         self._command(add)
 
-    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
-        """Queue an ad-hoc request; a rejected one finishes its handle with the error."""
-        handle = RequestHandle()
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               handle: RequestHandle | None = None, **request: Any) -> RequestHandle:
+        """Queue an ad-hoc request (``request``: ``add_request``'s keywords) and return its handle
+        (``handle``, when the caller made it first to be ready for its notices). A rejected one
+        finishes its handle with the error, reason ``rejected``."""
+        handle = RequestHandle() if handle is None else handle
 
         def add() -> None:
             try:
-                handle.request_id = self.llm.add_request(prompt, sampling_params)
+                handle.request_id = self.llm.add_request(prompt, sampling_params, **request)
             except ValueError as exc:
                 handle._finish("rejected", exc)
-                return
-            self._handles[handle.request_id] = handle
+            else:
+                self._handles[handle.request_id] = handle
+            self._changed[id(handle)] = handle
         self._command(add)
         return handle
 
+    def abort(self, handle: RequestHandle) -> None:
+        """Abort a submitted request (a client went away); its blocks are freed and its handle
+        finishes with reason ``abort``. Nothing happens to one that already finished."""
+        def abort() -> None:
+            if handle.request_id is not None and handle.finish_reason is None:
+                self.llm.abort_request(handle.request_id)
+        self._command(abort)
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop thread between two steps, with every event of the steps before it
+        published (a consumer joining a running engine subscribes and takes its snapshot there)."""
+        def between_steps() -> None:
+            self.llm.events.publish()
+            fn()
+        self._command(between_steps)
+
     # --- the loop thread ----------------------------------------------------------------------
 
-    def _on_event(self, event: Event) -> None:
-        handler = _HANDLERS.get(type(event))
-        if handler is not None:
-            handler(self, event)
+    def _on_events(self, events: list[Event]) -> None:
+        for event in events:
+            handler = _HANDLERS.get(type(event))
+            if handler is not None:
+                handler(self, event)
+        self._notify_changed()
 
     def _on_tokens(self, e: Tokens) -> None:
+        handles, changed = self._handles, self._changed
         for request_id, token_id in zip(e.request_ids, e.token_ids):
-            handle = self._handles.get(request_id)
+            handle = handles.get(request_id)
             if handle is not None:
-                handle._token(token_id)
+                handle.token_ids.append(token_id)
+                changed[id(handle)] = handle
 
     def _on_finished(self, e: RequestFinished) -> None:
         # A request failed by an engine error keeps its handle until the loop reports the error.
         if e.reason != "error":
             handle = self._handles.pop(e.request_id, None)
             if handle is not None:
+                handle.finished = e
                 handle._finish(e.reason)
+                self._changed[id(handle)] = handle
+
+    def _notify_changed(self) -> None:
+        if self._changed:
+            changed, self._changed = list(self._changed.values()), {}
+            try:
+                self.notify(changed)
+            except Exception:  # a broken listener loses this notice, never the loop
+                logger.exception("notifying request handles failed")
 
     def _peek_arrival(self) -> tuple[float, Request] | None:
         if self._next_request is None:
@@ -236,6 +292,7 @@ class LiveEngine:
             while not self._stop.is_set():
                 while not self._commands.empty():
                     self._commands.get()()
+                self._notify_changed()
                 now = time.perf_counter()
                 single = self.paused and self._single_steps > 0
                 if not self.paused:
@@ -243,6 +300,7 @@ class LiveEngine:
                 last = now
                 if self.paused and not single:
                     self._follow_up(self.llm.drain())  # a paused engine shows every launched step landed
+                    self._notify_changed()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -259,6 +317,7 @@ class LiveEngine:
                     outputs += self.llm.drain()
                 self._served(time.perf_counter() - began, num_tokens)
                 self._follow_up(outputs)
+                self._notify_changed()
         except BaseException as exc:  # reported, never swallowed: the loop stops and says why
             self.error = exc
             logger.exception("the engine loop stopped on an error")
@@ -278,7 +337,14 @@ class LiveEngine:
             self.llm.drain()  # nothing of it is wanted: only the engine is left clean
         for handle in list(self._handles.values()):
             handle._finish("abort" if error is None else "error", error)
+            self._changed[id(handle)] = handle
         self._handles.clear()
+        self._notify_changed()
+
+
+def _wake_all(handles: list[RequestHandle]) -> None:
+    for handle in handles:
+        handle.wake()
 
 
 _HANDLERS: dict[type[Event], Callable[[LiveEngine, Any], None]] = {

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +23,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from engine.config import Config, ConfigError
-from engine.events import EngineStarted, EventBus, RequestArrived, RequestRejected, Step
+from engine.detokenizer import IncrementalDetokenizer, detokenize
+from engine.events import EngineStarted, EventBus, RequestRejected, Snapshot, Step
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError, ScheduledBatch, Scheduler
@@ -83,7 +84,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
                 enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
-                wall_time=time.time())
+                gpu_memory_utilization=config.gpu_memory_utilization, wall_time=time.time())
             if self.model_runner.uses_cudagraphs:
                 # Every rank captures: the collectives are inside the graphs, so every rank replays.
                 if self.tp_group is None:
@@ -164,33 +165,49 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}: "
                 "build them with SamplingParams(temperature=..., max_tokens=...)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in sampling_params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestRejectedError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         token_ids = self._tokens(prompt)
         self.scheduler.check(len(token_ids), sampling_params.max_tokens)
         return token_ids
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> int:
+                    arrival_time: float | None = None, *, client_id: str | None = None,
+                    trace_headers: Mapping[str, str] | None = None) -> int:
         """Queue a request and return its id. A request that can never be served, or one that finds
         the waiting queue full, raises ``RequestRejectedError`` (a ``ValueError``; ``QueueFullError``
-        for the latter) and leaves the engine as it was."""
+        for the latter) and leaves the engine as it was.
+
+        ``client_id`` (what the caller calls the request) and ``trace_headers`` (W3C
+        ``traceparent``/``tracestate``, as vLLM's) only travel in the ``request_arrived`` event, for
+        the consumers: a trace span then names the request and joins the caller's trace."""
         request_id = next(Sequence.counter)
         with self._refusals(request_id):
             sampling_params = SamplingParams() if sampling_params is None else sampling_params
             token_ids = self._check(prompt, sampling_params)
             self.scheduler.check_capacity()
-        self._queue(request_id, token_ids, sampling_params, arrival_time)
+        headers = trace_headers or {}
+        self._queue(request_id, token_ids, sampling_params, arrival_time, client_id=client_id,
+                    traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
         return request_id
 
     def _queue(self, request_id: int, token_ids: list[int], sampling_params: SamplingParams,
-               arrival_time: float | None) -> None:
+               arrival_time: float | None, **metadata: str | None) -> None:
         """Queue checked token ids."""
+        detokenizer = None
+        if sampling_params.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, sampling_params)
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size,
-                       time.perf_counter() if arrival_time is None else arrival_time, seq_id=request_id)
-        self.scheduler.add(seq)
-        if self.events.active:
-            self.events.emit(RequestArrived, request_id=request_id, prompt_tokens=len(token_ids),
-                             max_tokens=sampling_params.max_tokens, temperature=seq.temperature,
-                             arrival=seq.arrival_time)
+                       time.perf_counter() if arrival_time is None else arrival_time, seq_id=request_id,
+                       detokenizer=detokenizer)
+        self.scheduler.add(seq, **metadata)
+
+    def snapshot(self) -> Snapshot:
+        """The engine's requests and blocks as they stand, for a consumer that joins now; call it
+        between steps, after ``events.publish()``, so that the events to come apply on top of it."""
+        return self.scheduler.snapshot()
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a request wherever it is; False when it is unknown or already finished."""
@@ -346,6 +363,7 @@ class LLMEngine:
             except RequestRejectedError as exc:
                 raise type(exc)(f"prompt {i}: {exc}") from None
         unqueued = deque(zip(request_ids, token_lists, params))
+        params_of = dict(zip(request_ids, params))
         results: dict[int, dict] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
@@ -363,7 +381,8 @@ class LLMEngine:
                 for request_id, token_ids in outputs:
                     # Detokenised as it finishes, while the GPU computes the step in flight: all at
                     # the end, ~134k tokens of the yardstick kept the GPU idle for ~60 ms.
-                    results[request_id] = {"text": self.tokenizer.decode(token_ids), "token_ids": token_ids}
+                    text = detokenize(self.tokenizer, token_ids, params_of[request_id])
+                    results[request_id] = {"text": text, "token_ids": token_ids}
                     bar.update(1)
         except BaseException:
             self._abandon([r for r in request_ids if r not in results])

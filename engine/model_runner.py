@@ -30,7 +30,7 @@ from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, 
 from models.config import Qwen3Config, dtype_name, parse_dtype
 from models.context import Context, reset_context, set_context
 from models.loader import build_model, load_model
-from models.sampler import Sampler
+from models.sampler import Sampler, SamplingMetadata, row_seed
 
 # The CPU has no memory to profile; a fixed budget keeps the pool predictable and small.
 CPU_KV_CACHE_BYTES = 512 * 1024**2
@@ -333,7 +333,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits, padded_batch_size = self._decode_logits(num_rows, n)
         if self.rank == 0:
-            self.sampler(logits, temperatures, out=self.sampled[:n])
+            self.sampler(logits, temperatures, out=self.sampled[:n], meta=self._sampling_metadata(seqs))
         if self.config.tensor_parallel_size > 1:
             dist.broadcast(self.sampled[:n], src=0)
         self.sample_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
@@ -348,6 +348,40 @@ class ModelRunner:
             samples, ready = self.sampled[:n].clone(), None
         return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
                             padded_batch_size=padded_batch_size, launch_order=launch_order)
+
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata | None:
+        """What the sampler needs beyond temperatures for ``seqs`` (in launch order); None for a
+        batch of temperature-only requests, which costs one pass over the batch."""
+        rows = [i for i, seq in enumerate(seqs) if not seq.plain_sampling]
+        if not rows:
+            return None
+        meta = SamplingMetadata()
+        filters = [i for i in rows if seqs[i].params.filters]
+        if filters:
+            meta.filter_rows = self._tensor(filters, np.int64)
+            meta.top_k = self._tensor([seqs[i].params.top_k for i in filters], np.int64)
+            meta.top_p = self._tensor([seqs[i].params.top_p for i in filters], np.float32)
+        seeded = [i for i in rows if seqs[i].params.seed is not None and seqs[i].temperature > 0]
+        if seeded:
+            row_seeds = np.full(len(seqs), -1, dtype=np.int64)
+            positions = np.zeros(len(seqs), dtype=np.int64)
+            for i in seeded:
+                # The token this step samples for the request sits at index num_tokens.
+                row_seeds[i], positions[i] = row_seed(seqs[i].params.seed), seqs[i].num_tokens
+            meta.row_seeds, meta.positions = self._tensor(row_seeds, np.int64), self._tensor(positions, np.int64)
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i in rows:
+            seq = seqs[i]
+            if seq.num_tokens - seq.num_prompt_tokens < seq.params.min_tokens:
+                stops = set(seq.stop_token_ids)
+                if not seq.ignore_eos and self.config.eos >= 0:
+                    stops.add(self.config.eos)
+                banned_rows += [i] * len(stops)
+                banned_ids += sorted(stops)
+        if banned_rows:
+            meta.banned = (self._tensor(banned_rows, np.int64), self._tensor(banned_ids, np.int64))
+        return meta
 
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": dtype_name(self.dtype), "attention_backend": self.backend.name}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import Config
-from engine.events import EventBus, FirstToken, Preempt, RequestFinished, Schedule, Tokens
+from engine.events import EventBus, FirstToken, Preempt, RequestArrived, RequestFinished, Schedule, Snapshot, Tokens
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
@@ -101,10 +101,40 @@ class Scheduler:
                 f"the waiting queue is full ({len(self.waiting)} requests, max_waiting_requests="
                 f"{self.max_waiting_requests}): retry later, or raise max_waiting_requests")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, client_id: str | None = None, traceparent: str | None = None,
+            tracestate: str | None = None) -> None:
+        """Queue a checked request; ``client_id`` and the trace context only travel in its
+        ``request_arrived`` event."""
         self.check(seq.num_prompt_tokens, seq.max_tokens)
         self.check_capacity()
         self.waiting.append(seq)
+        if self.events.active:
+            params = seq.params
+            self.events.emit(RequestArrived, request_id=seq.seq_id, prompt_tokens=seq.num_prompt_tokens,
+                             max_tokens=seq.max_tokens, temperature=seq.temperature, top_p=params.top_p,
+                             top_k=params.top_k, arrival=seq.arrival_time, client_id=client_id,
+                             traceparent=traceparent, tracestate=tracestate)
+
+    def snapshot(self) -> Snapshot:
+        """Every request and block as they stand (between steps), for a consumer joining late."""
+        seqs = [*self.waiting, *self.running]
+        states = []
+        for seq in self.waiting:
+            if seq.block_table:
+                states.append("prefill")  # a chunked prompt part-way through
+            else:
+                states.append("preempted" if seq.num_preemptions else "waiting")
+        # A running request is in prefill until its prompt's token lands (a launched prefill's is in flight).
+        states += ["prefill" if seq.is_prefill and seq.last_token == PLACEHOLDER else "decode" for seq in self.running]
+        bm = self.block_manager
+        return Snapshot(
+            t=time.perf_counter(), step=self.events.step, request_ids=tuple(s.seq_id for s in seqs),
+            states=tuple(states), prompt_tokens=tuple(s.num_prompt_tokens for s in seqs),
+            max_tokens=tuple(s.max_tokens for s in seqs), arrivals=tuple(s.arrival_time for s in seqs),
+            cached_tokens=tuple(s.num_prompt_cached_tokens for s in seqs),
+            output_tokens=tuple(s.num_known_tokens - s.num_prompt_tokens for s in seqs),
+            num_preemptions=tuple(s.num_preemptions for s in seqs),
+            refcounts=tuple(b.ref_count for b in bm.blocks), cached=tuple(bm.is_cache_entry(b) for b in bm.blocks))
 
     def schedule(self) -> ScheduledBatch:
         """The batch for the next step; an empty batch means idle."""
@@ -236,6 +266,10 @@ class Scheduler:
                     self.events.emit(FirstToken, request_id=seq.seq_id)
             if not seq.ignore_eos and token_id == self.eos:
                 seq.finish_reason = "stop"
+            elif token_id in seq.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+            elif seq.detokenizer is not None and self._completes_stop_string(seq, token_id):
+                seq.finish_reason = "stop"
             elif index + 1 - seq.num_prompt_tokens >= seq.max_tokens or index + 1 >= self.max_model_len:
                 seq.finish_reason = "length"
             else:
@@ -249,6 +283,13 @@ class Scheduler:
         for seq in finished:
             self._finish(seq, seq.finish_reason, now, self.running if seq.status is SequenceStatus.RUNNING else self.waiting)
         return finished
+
+    @staticmethod
+    def _completes_stop_string(seq: Sequence, token_id: int) -> bool:
+        """Decode ``seq``'s new token; whether its text now holds a stop string (stop token ids
+        were looked at before)."""
+        seq.stop_reason = seq.detokenizer.append([token_id])
+        return seq.stop_reason is not None
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         """Stop a request wherever it is and free its blocks; None if it is not here (already done)."""

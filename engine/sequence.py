@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from itertools import count
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 # Stands for a token that a launched step is sampling but whose id has not reached the host yet
@@ -33,13 +34,15 @@ class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "block_hashes", "block_size",
-        "temperature", "max_tokens", "ignore_eos",
+        "temperature", "max_tokens", "ignore_eos", "params", "plain_sampling", "stop_token_ids",
+        "detokenizer", "stop_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "num_preemptions", "num_prompt_cached_tokens", "finish_reason",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 arrival_time: float, seq_id: int | None = None) -> None:
+                 arrival_time: float, seq_id: int | None = None,
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
         self.seq_id = next(Sequence.counter) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -57,6 +60,12 @@ class Sequence:
         self.temperature = float(sampling_params.temperature)
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        self.params = sampling_params
+        self.plain_sampling = sampling_params.plain  # read per step by the model runner
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # Only a request with stop strings has one: the engine decodes no other request's text.
+        self.detokenizer = detokenizer
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -3,7 +3,8 @@
     python -m models.checkpoint --preset tiny --out DIR [--seed N] [--dtype bfloat16|float32]
 
 Writes config.json (original Qwen3 style), generation_config.json, model.safetensors (or shards
-plus model.safetensors.index.json), tokenizer.json and tokenizer_config.json. The same preset,
+plus model.safetensors.index.json), tokenizer.json, tokenizer_config.json (with a Qwen3-style chat
+template) and glassbox_checkpoint.json (the maker's version). The same preset,
 seed and dtype always give byte-identical files: every tensor has its own generator seeded from
 (seed, tensor name), so values do not depend on sharding or on the order of writing.
 """
@@ -148,10 +149,33 @@ def _plan_shards(
     return shards
 
 
+# Bumped whenever the maker writes different files for the same preset, seed and dtype: the preset
+# cache (ensure_checkpoint) rebuilds a checkpoint made by an older maker. Version 2: the tokenizer
+# has <|im_start|> and a Qwen3-style chat template.
+MAKER_VERSION = 2
+MAKER_FILE = "glassbox_checkpoint.json"
+
+# Qwen3's chat format (ChatML: <|im_start|>role ... <|im_end|>), without its tool and thinking
+# machinery; ``enable_thinking=False`` adds the empty thinking block Qwen3 expects then.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
 def special_tokens(config: Qwen3Config) -> dict[int, str]:
+    """Qwen3's: ``<|endoftext|>`` (bos), ``<|im_end|>`` (eos) and ``<|im_start|>`` at the highest
+    free id below the end-of-sequence id (Qwen3's own place for it)."""
     tokens = {} if config.bos_token_id is None else {config.bos_token_id: "<|endoftext|>"}
     if config.eos_token_id is not None:
         tokens[config.eos_token_id] = "<|im_end|>"
+        start = next(i for i in range(config.eos_token_id - 1, -1, -1) if i not in tokens)
+        tokens[start] = "<|im_start|>"
     return tokens
 
 
@@ -203,7 +227,9 @@ def _write_checkpoint(
         specials, bos=specials.get(config.bos_token_id, "<|endoftext|>"),
         eos=specials.get(config.eos_token_id, "<|im_end|>"), model_max_length=config.max_position_embeddings,
     )
+    tok_config["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    (out / MAKER_FILE).write_text(json.dumps({"maker_version": MAKER_VERSION, "seed": seed}) + "\n")
 
     shapes = tensor_shapes(config)
     itemsize = config.torch_dtype.itemsize
@@ -255,6 +281,11 @@ def ensure_checkpoint(preset: str, *, seed: int = 0, dtype: torch.dtype | str | 
     resolved = PRESETS[preset].torch_dtype if dtype is None else (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
     name = preset if seed == 0 and resolved == PRESETS[preset].torch_dtype else f"{preset}-seed{seed}-{dtype_name(resolved)}"
     path = cache_root() / name
+    if path.exists() and maker_version(path) < MAKER_VERSION:
+        # Made by an older maker: replaced whole (renamed away first, so a reader never sees half).
+        stale = path.with_name(f".{name}.stale-{os.getpid()}")
+        os.rename(path, stale)
+        shutil.rmtree(stale, ignore_errors=True)
     if not path.exists():
         try:
             make_checkpoint(preset, path, seed=seed, dtype=resolved)
@@ -262,6 +293,17 @@ def ensure_checkpoint(preset: str, *, seed: int = 0, dtype: torch.dtype | str | 
             if not (path / "config.json").is_file():  # a concurrent maker finished first: fine
                 raise
     return path
+
+
+def maker_version(path: Path) -> int:
+    """The maker version a checkpoint directory was made by; 1 for one made before versions were
+    written, 0 for a directory this maker did not make."""
+    try:
+        return int(json.loads((path / MAKER_FILE).read_text())["maker_version"])
+    except FileNotFoundError:
+        return 1 if (path / "config.json").is_file() else 0
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

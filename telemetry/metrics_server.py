@@ -107,7 +107,7 @@ class MetricsServer:
         self.content_type = content_type
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
-        self._listener = _listen(host, port, backlog=max_connections)
+        self._listener = listen(host, port, backlog=max_connections)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         # Workers hand nothing back, so the only other reason to wake the selector is close().
@@ -233,7 +233,9 @@ class MetricsServer:
                     self._open -= 1
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def listen(host: str, port: int, backlog: int, option: str = "--metrics-port") -> socket.socket:
+    """A non-blocking socket listening on ``host:port``; a taken port is a ``PortInUseError`` that
+    names ``option``, the one to change."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         # A restart may rebind at once, past the old connections' TIME_WAIT (a live listener still conflicts).
@@ -245,8 +247,8 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise PortInUseError(errno.EADDRINUSE,
-                                 f"port {port} is in use; pass --metrics-port with a free port") from exc
-        raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
+                                 f"port {port} is in use; pass {option} with a free port") from exc
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     return sock
 
 

@@ -11,25 +11,34 @@ from engine.options import option_error
 from telemetry.event_queue import Consumer
 
 
-def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
+def add_telemetry_args(parser: argparse.ArgumentParser, metrics_port: bool = True) -> None:
+    """``metrics_port=False`` leaves out ``--metrics-port``/``--metrics-host`` (the server has
+    ``/metrics`` on its own port)."""
     g = parser.add_argument_group("telemetry")
-    g.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus /metrics on 127.0.0.1:PORT (0 picks a free port)")
-    g.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default: %(default)s)")
+    if metrics_port:
+        g.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus /metrics on 127.0.0.1:PORT (0 picks a free port)")
+        g.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default: %(default)s)")
     g.add_argument("--otlp-endpoint", metavar="URL",
                    help="export OpenTelemetry traces over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces "
                         "(the standard OTEL_* variables work too)")
     g.add_argument("--record", type=Path, metavar="FILE", help="write every event as JSON lines (.gz to compress)")
+    g.add_argument("--kv-cache-metrics", action="store_true",
+                   help="export vLLM's KV block residency histograms (lifetime, idle before eviction, reuse gaps)")
+    g.add_argument("--kv-cache-metrics-sample", type=float, default=0.01, metavar="FRACTION",
+                   help="the share of block allocations whose lives are followed (default: %(default)s)")
 
 
 def open_consumers(args: argparse.Namespace, model_name: str, meta: dict | None = None) -> list[Consumer]:
     """The consumers the arguments ask for, not yet attached; on error, those opened are closed again."""
     consumers: list[Consumer] = []
     try:
-        if args.metrics_port is not None:
+        if getattr(args, "metrics_port", None) is not None:
             from telemetry.prometheus import PrometheusExporter
 
-            consumers.append(PrometheusExporter(model_name, host=args.metrics_host, port=args.metrics_port))
+            consumers.append(PrometheusExporter(model_name, host=args.metrics_host, port=args.metrics_port,
+                                                kv_cache_metrics=args.kv_cache_metrics,
+                                                kv_cache_metrics_sample=args.kv_cache_metrics_sample))
         if args.otlp_endpoint is not None:
             from telemetry.tracing import RequestTracer
 

@@ -13,14 +13,25 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from engine.events import (
     REJECTION_CODES,
+    BlockAlloc,
     BlockEvict,
+    BlockFree,
     BlockStored,
     CudaGraphCapture,
     CudaGraphReplay,
@@ -37,8 +48,9 @@ from engine.events import (
     Tokens,
 )
 from telemetry.event_queue import DEFAULT_MAXSIZE, Consumer, queue_stats
-from telemetry.metrics_server import MetricsServer, PortInUseError  # noqa: F401  (re-exported: callers catch it here)
 from telemetry.intervals import RequestIntervals
+from telemetry.kv_residency import DEFAULT_SAMPLE, RESIDENCY_BUCKETS, Eviction, KVResidency
+from telemetry.metrics_server import MetricsServer, PortInUseError  # noqa: F401  (re-exported: callers catch it here)
 
 # Bucket boundaries exactly as vLLM's loggers.py (docs/architecture.md §5).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -53,6 +65,12 @@ NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 # vLLM's FinishReason values; every series exists from the start so rate() works from zero.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# Where cached prompt tokens came from (vLLM's cache_hit_source.py); glassbox's hits are all on the device.
+CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+# vLLM's two reasons a request waits: the scheduler ran out of something (capacity), or skipped it
+# for now (deferred). glassbox's scheduler skips none: every waiting request waits for capacity.
+WAITING_REASONS = ("capacity", "deferred")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 # glassbox-only: engine steps take from well under a millisecond (tiny CPU models) to seconds.
 STEP_DURATION_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
@@ -60,8 +78,9 @@ PHASES = ("prefill", "decode")
 # The Step event's host-time breakdown: scheduling, building inputs, launching the GPU work, blocked
 # waiting for the sampled tokens, applying them.
 HOST_STAGES = ("schedule", "prepare", "launch", "wait", "postprocess")
-# vLLM's admission_rejections reasons (the engine refuses new requests when its waiting queue is full).
-ADMISSION_REJECTION_REASONS = ("queue_full",)
+# vLLM's admission_rejections reasons; glassbox's full waiting queue is vLLM's max_num_queued_reqs.
+ADMISSION_REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+_ADMISSION_REASON = {"queue_full": "max_num_queued_reqs"}
 
 LABELS = ("model_name", "engine")
 
@@ -76,6 +95,40 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
                 return buckets
             buckets.append(mantissa * scale)
         scale *= 10
+
+
+# vLLM 0.33's CacheConfig, every field in declaration order with its default: vllm:cache_config_info
+# has one label per field (then ``engine``), valued ``str()`` of the setting.
+_CACHE_CONFIG_DEFAULTS: dict[str, object] = {
+    "block_size": None, "user_specified_block_size": False, "kv_cache_layout": None, "prefix_match_unit": None,
+    "gpu_memory_utilization": 0.92, "cache_dtype": "auto", "is_attention_free": False,
+    "num_gpu_blocks_override": None, "sliding_window": None, "enable_prefix_caching": True,
+    "prefix_caching_hash_algo": "sha256", "prefix_cache_retention_interval": 0, "kv_cache_dtype_skip_layers": [],
+    "mamba_page_size_padded": None, "skip_page_size_padded": None, "mamba_block_size": None,
+    "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+    "enable_mamba_shared_prefix_checkpoint": False, "replayssm_buffer_len": 16, "use_replayssm": False,
+    "use_kda_recoverssm": False, "num_gpu_blocks": None, "num_cpu_blocks": None,
+    "simple_cpu_offload_num_blocks": None, "effective_attention_block_size": None, "kv_cache_size_tokens": None,
+    "kv_cache_max_concurrency": None, "hash_block_size": None, "cache_hit_alignment_tokens": None,
+    "kv_sharing_fast_prefill": False, "swa_bounded_replay": True, "kv_cache_memory_bytes": None,
+    "kv_offloading_size": None, "kv_offloading_backend": "native", "_block_size_resolved": False,
+}
+CACHE_CONFIG_LABELS = (*_CACHE_CONFIG_DEFAULTS, "engine")
+
+
+def cache_config_labels(e: EngineStarted, engine: str) -> dict[str, str]:
+    """``vllm:cache_config_info``'s labels for this engine: glassbox's value where it has the
+    setting (K/V in the model's dtype is vLLM's ``auto``; blocks are hashed with xxhash), vLLM's
+    default where it has nothing of the kind. The host tier does not exist yet: no CPU blocks."""
+    kv_tokens = e.num_blocks * e.block_size
+    values = {**_CACHE_CONFIG_DEFAULTS,
+              "block_size": e.block_size, "user_specified_block_size": True, "_block_size_resolved": True,
+              "gpu_memory_utilization": e.gpu_memory_utilization, "enable_prefix_caching": e.enable_prefix_caching,
+              "prefix_caching_hash_algo": "xxhash", "num_gpu_blocks": e.num_blocks,
+              "effective_attention_block_size": e.block_size, "hash_block_size": e.block_size,
+              "cache_hit_alignment_tokens": e.block_size, "kv_cache_size_tokens": kv_tokens,
+              "kv_cache_max_concurrency": kv_tokens / e.max_model_len}
+    return {**{name: str(value) for name, value in values.items()}, "engine": engine}
 
 
 # Always the classic text format: prometheus_client 0.26 answers Prometheus's OpenMetrics Accept
@@ -163,16 +216,22 @@ class PrometheusExporter(Consumer):
         port: int | None = None,
         engine: str = "0",
         queue_size: int = DEFAULT_MAXSIZE,
+        kv_cache_metrics: bool = False,
+        kv_cache_metrics_sample: float = DEFAULT_SAMPLE,
     ) -> None:
         self.model_name = model_name
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
+        # What vLLM's server exports beside its own metrics, from prometheus_client's default registry.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)
         self._requests: dict[int, _Request] = {}
         # This step's tokens as vLLM's iteration_tokens counts them (see _on_first_token).
         self._step_tokens = 0
         self._num_blocks: int | None = None
         self._config_metrics_ready = False
         self._create_metrics()
+        self.residency = self._create_residency_metrics(kv_cache_metrics_sample) if kv_cache_metrics else None
         self.registry.register(_QueueStatsCollector(model_name, engine))
         self._server = self._serve(host, port) if port is not None else None
         super().__init__(queue_size)
@@ -192,6 +251,9 @@ class PrometheusExporter(Consumer):
             CudaGraphReplay: self._on_replay,
             RequestFinished: self._on_finished,
         }
+        if self.residency is not None:
+            self._handlers[BlockAlloc] = self.residency.alloc
+            self._handlers[BlockFree] = self.residency.free
 
     # -- public -------------------------------------------------------------------------------
 
@@ -235,7 +297,15 @@ class PrometheusExporter(Consumer):
         # Children are bound once here so the per-event path does no label lookups (vLLM does the same).
         self.running = self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.").labels(*lv)
         self.waiting = self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.").labels(*lv)
+        by_reason = self._gauge("vllm:num_requests_waiting_by_reason",
+                                "Number of requests waiting, by reason (capacity: out of budget, sequences or KV "
+                                "blocks; deferred: skipped by the scheduler for now).", ("reason",))
+        self.waiting_by_reason = {r: by_reason.labels(*lv, r) for r in WAITING_REASONS}
         self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(*lv)
+        sleep = self._gauge("vllm:engine_sleep_state", "Engine sleep state (glassbox never sleeps: awake is 1).",
+                            ("sleep_state",))
+        for state in SLEEP_STATES:
+            sleep.labels(*lv, state).set(1 if state == "awake" else 0)
 
         self.prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*lv)
         self.generation_tokens = self._counter("vllm:generation_tokens", "Number of generation tokens processed.").labels(*lv)
@@ -254,6 +324,21 @@ class PrometheusExporter(Consumer):
         self.prefix_hits = self._counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         ).labels(*lv)
+        cached_by_source = self._counter("vllm:prompt_tokens_cached_by_source",
+                                         "Number of cached prompt tokens by where they were found.", ("source",))
+        self.prompt_cached_by_source = {s: cached_by_source.labels(*lv, s) for s in CACHED_SOURCES}
+        # Series vLLM registers for every text model that glassbox has nothing to count in (no KV
+        # connector, no multimodal inputs, no FLOP estimates): present, and zero, as in vLLM.
+        for name, doc in (
+            ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector, in tokens."),
+            ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector, in tokens."),
+            ("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."),
+            ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+            ("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU."),
+            ("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory per GPU."),
+            ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory per GPU."),
+        ):
+            self._counter(name, doc).labels(*lv)
 
         h = self._histogram
         self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS).labels(*lv)
@@ -283,8 +368,10 @@ class PrometheusExporter(Consumer):
             "vllm:request_num_preemptions", "Number of preemptions per finished request.", NUM_PREEMPTIONS_BUCKETS
         ).labels(*lv)
 
-        admission = self._counter("vllm:admission_rejections", "Requests refused at admission, by reason.", ("reason",))
-        self.admission_rejections = {r: admission.labels(*lv, r) for r in ADMISSION_REJECTION_REASONS}
+        # vLLM labels this one by model and reason only (no engine).
+        admission = Counter("vllm:admission_rejections", "Requests refused at admission, by reason.",
+                            ["model_name", "reason"], registry=self.registry)
+        self.admission_rejections = {r: admission.labels(self.model_name, r) for r in ADMISSION_REJECTION_REASONS}
 
         # glassbox extras: what vLLM does not export.
         rejected = self._counter("glassbox:rejected_requests", "Requests refused at add_request, by reason code "
@@ -321,6 +408,24 @@ class PrometheusExporter(Consumer):
         self.step_duration = {p: durations.labels(*lv, p) for p in PHASES}
         self.step_host = {(p, s): host.labels(*lv, p, s) for p in PHASES for s in HOST_STAGES}
 
+    def _create_residency_metrics(self, sample: float) -> KVResidency:
+        lv = (self.model_name, self.engine)
+        h = self._histogram
+        note = " Sampled (--kv-cache-metrics-sample); only with the prefix cache on."
+        self.kv_block_lifetime = h("vllm:kv_block_lifetime_seconds", "Histogram of KV cache block lifetime from "
+                                   "allocation to eviction." + note, RESIDENCY_BUCKETS).labels(*lv)
+        self.kv_block_idle = h("vllm:kv_block_idle_before_evict_seconds", "Histogram of idle time before KV cache "
+                               "block eviction." + note, RESIDENCY_BUCKETS).labels(*lv)
+        self.kv_block_reuse_gap = h("vllm:kv_block_reuse_gap_seconds", "Histogram of time gaps between consecutive "
+                                    "KV cache block accesses (the last four)." + note, RESIDENCY_BUCKETS).labels(*lv)
+        return KVResidency(self._on_residency, sample)
+
+    def _on_residency(self, e: Eviction) -> None:
+        self.kv_block_lifetime.observe(e.lifetime)
+        self.kv_block_idle.observe(e.idle)
+        for gap in e.reuse_gaps:
+            self.kv_block_reuse_gap.observe(gap)
+
     def _create_config_metrics(self, started: EngineStarted) -> None:
         """Metrics whose buckets or labels depend on the engine's configuration."""
         lv = (self.model_name, self.engine)
@@ -339,12 +444,8 @@ class PrometheusExporter(Consumer):
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             buckets,
         ).labels(*lv)
-        self.cache_config = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
-            registry=self.registry,
-        )
+        self.cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  list(CACHE_CONFIG_LABELS), registry=self.registry)
         self._config_metrics_ready = True
 
     # -- event handlers (worker thread) -------------------------------------------------------
@@ -353,6 +454,7 @@ class PrometheusExporter(Consumer):
         """From the scheduler's own counts, carried by ``schedule`` and ``step`` events."""
         self.running.set(running)
         self.waiting.set(waiting)
+        self.waiting_by_reason["capacity"].set(waiting)
         if self._num_blocks:
             self.kv_usage.set(1.0 - free_blocks / self._num_blocks)
 
@@ -360,14 +462,9 @@ class PrometheusExporter(Consumer):
         if not self._config_metrics_ready:
             self._create_config_metrics(e)
         self.cache_config.clear()
-        self.cache_config.labels(
-            model_name=self.model_name,
-            engine=self.engine,
-            block_size=str(e.block_size),
-            num_gpu_blocks=str(e.num_blocks),
-            enable_prefix_caching=str(e.enable_prefix_caching),
-            cache_dtype=e.dtype,
-        ).set(1)
+        self.cache_config.labels(**cache_config_labels(e, self.engine)).set(1)
+        if self.residency is not None:
+            self.residency.started(e)
         self._num_blocks = e.num_blocks
         self._requests.clear()
         self._step_tokens = 0
@@ -378,8 +475,9 @@ class PrometheusExporter(Consumer):
 
     def _on_rejected(self, e: RequestRejected) -> None:
         self.rejected[e.code].inc()
-        if e.code in self.admission_rejections:
-            self.admission_rejections[e.code].inc()
+        reason = _ADMISSION_REASON.get(e.code)
+        if reason is not None:
+            self.admission_rejections[reason].inc()
 
     def _on_prefix_hit(self, e: PrefixHit) -> None:
         req = self._requests.get(e.request_id)
@@ -392,9 +490,13 @@ class PrometheusExporter(Consumer):
 
     def _on_block_stored(self, e: BlockStored) -> None:
         self.blocks_stored.inc(len(e.block_ids))
+        if self.residency is not None:
+            self.residency.stored(e)
 
     def _on_block_evict(self, e: BlockEvict) -> None:
         self.evictions.inc()
+        if self.residency is not None:
+            self.residency.evicted(e)
 
     def _on_schedule(self, e: Schedule) -> None:
         self._set_gauges(e.running, e.waiting, e.free_blocks)
@@ -451,6 +553,7 @@ class PrometheusExporter(Consumer):
         self.prompt_tokens_cached.inc(cached)
         self.prompt_by_source["local_cache_hit"].inc(cached)
         self.prompt_by_source["local_compute"].inc(req.prompt_tokens - cached)
+        self.prompt_cached_by_source["device"].inc(cached)
 
     def _on_capture(self, e: CudaGraphCapture) -> None:
         self.graph_capture_seconds.set(e.seconds)

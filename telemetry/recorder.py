@@ -37,6 +37,19 @@ _HEADER_SKIP = ("kind", "t", "step")
 _encode_record = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
+def header_record(started: EngineStarted | None, created: float, meta: dict[str, Any]) -> dict[str, Any]:
+    """A recording's first line (also the first message of the server's ``/v1/events`` stream)."""
+    engine = None
+    if started is not None:
+        engine = {k: v for k, v in event_to_dict(started).items() if k not in _HEADER_SKIP}
+    return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": created, "engine": engine, "meta": meta}
+
+
+def event_record(seq: int, event: Event) -> str:
+    """One event as a recorded line, without its newline."""
+    return _encode_record({"seq": seq, **event_to_dict(event)})
+
+
 @dataclass(frozen=True)
 class RecordingHeader:
     schema_version: int
@@ -127,16 +140,10 @@ class EventRecorder(Consumer):
             self._pending.append(event)
 
     def _write_header(self, started: EngineStarted | None) -> None:
-        engine = None
-        if started is not None:
-            engine = {k: v for k, v in event_to_dict(started).items() if k not in _HEADER_SKIP}
-        header = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": self._created,
-                  "engine": engine, "meta": self.meta}  # fmt: skip
-        self._file.write(json.dumps(header) + "\n")
+        self._file.write(json.dumps(header_record(started, self._created, self.meta)) + "\n")
 
     def _write_event(self, event: Event) -> None:
-        record = {"seq": self._seq, **event_to_dict(event)}
-        self._file.write(_encode_record(record) + "\n")
+        self._file.write(event_record(self._seq, event) + "\n")
         self._seq += 1
 
     def _shutdown(self) -> None:
@@ -178,13 +185,19 @@ def _read_header(lines: _Lines) -> RecordingHeader:
         raw = json.loads(line or b"null")
     except ValueError:  # JSONDecodeError, and UnicodeDecodeError for a binary file
         raw = None
+    return parse_header(raw, str(lines.path), lines.error)
+
+
+def parse_header(raw: Any, source: str, damaged: Callable[[str], RecordingError] = RecordingError) -> RecordingHeader:
+    """A header record (a recording's first line, a ``/v1/events`` stream's first message), checked:
+    ``RecordingError`` naming ``source`` when it is not one, is damaged, or has a newer schema."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise RecordingError(f"{lines.path} is not a glassbox recording (no header line)")
+        raise RecordingError(f"{source} is not a glassbox recording (no header line)")
     version = raw.get("schema_version")
     if not isinstance(version, int) or not isinstance(raw.get("created"), (int, float)) or "engine" not in raw:
-        raise lines.error("the header lacks schema_version, created or engine; the recording is damaged")
+        raise damaged("the header lacks schema_version, created or engine; the recording is damaged")
     if version > SCHEMA_VERSION:
-        raise RecordingError(f"{lines.path} has event schema {version}; this build reads up to {SCHEMA_VERSION}. "
+        raise RecordingError(f"{source} has event schema {version}; this build reads up to {SCHEMA_VERSION}. "
                              "Replay it with the version of glassbox that recorded it.")
     return RecordingHeader(version, raw["created"], raw["engine"], raw.get("meta") or {})
 

@@ -23,6 +23,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.events import (
     EngineStarted,
@@ -38,11 +39,14 @@ from telemetry.intervals import RequestIntervals
 
 SPAN_NAME = "llm_request"
 DEFAULT_SERVICE_NAME = "glassbox"
-DEFAULT_OTLP_ENDPOINT = "http://localhost:4318/v1/traces"  # the exporter's own, when nothing names one
-# Where the OTLP/HTTP exporter logs each failed attempt of an export.
-_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.exporter.otlp.common.http")
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4318/v1/traces"  # the exporters' own, when nothing names one
+DEFAULT_OTLP_GRPC_ENDPOINT = "http://localhost:4317"
+# Where the OTLP exporters log each failed attempt of an export.
+_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.exporter.otlp.common.http",
+                     "opentelemetry.exporter.otlp.proto.grpc.exporter")
 
 logger = logging.getLogger(__name__)
+_PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent/tracestate, as vLLM extracts them
 
 
 def validate_endpoint(url: str, source: str = "--otlp-endpoint") -> str:
@@ -77,9 +81,17 @@ def _resolve_exporter(otlp_endpoint: str | None) -> SpanExporter | None:
         return ConsoleSpanExporter()
     if choice != "otlp":
         raise ValueError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {choice!r}")
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-    if protocol and protocol != "http/protobuf":
-        raise ValueError(f"only OTLP over http/protobuf is supported, got OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}")
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "http/protobuf")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+
+        # gRPC takes the collector's address (scheme, host and port); a /v1/traces path is HTTP's.
+        parts = urlsplit(endpoint or DEFAULT_OTLP_GRPC_ENDPOINT)
+        target = f"{parts.scheme}://{parts.netloc}"
+        return ReportingExporter(GrpcSpanExporter(endpoint=target, insecure=parts.scheme == "http"), target)
+    if protocol != "http/protobuf":
+        raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be grpc or http/protobuf, got {protocol!r}")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     endpoint = endpoint or DEFAULT_OTLP_ENDPOINT
@@ -241,9 +253,11 @@ class RequestTracer(Consumer):
 
     def _finish(self, done: RequestFinished) -> None:
         req = self._requests.pop(done.request_id, None) or _Request()
+        arrived = req.arrived
         iv = RequestIntervals.of(done)
         attrs: dict[str, Any] = {
-            "gen_ai.request.id": str(done.request_id),
+            # The caller's name for the request (a server: the client's X-Request-Id, or the response id).
+            "gen_ai.request.id": arrived.client_id if arrived is not None and arrived.client_id else str(done.request_id),
             "gen_ai.usage.prompt_tokens": done.prompt_tokens,
             "gen_ai.usage.completion_tokens": done.output_tokens,
             # Current semconv names beside vLLM's deprecated ones.
@@ -257,9 +271,11 @@ class RequestTracer(Consumer):
         }
         if self.model_name is not None:
             attrs["gen_ai.request.model"] = attrs["gen_ai.response.model"] = self.model_name
-        if req.arrived is not None:
-            attrs["gen_ai.request.max_tokens"] = req.arrived.max_tokens
-            attrs["gen_ai.request.temperature"] = req.arrived.temperature
+        if arrived is not None:
+            attrs["gen_ai.request.max_tokens"] = arrived.max_tokens
+            attrs["gen_ai.request.top_p"] = arrived.top_p
+            if arrived.temperature:  # vLLM leaves greedy requests' temperature out
+                attrs["gen_ai.request.temperature"] = arrived.temperature
         for key, value in (
             ("gen_ai.latency.time_to_first_token", iv.ttft),
             ("gen_ai.latency.time_in_queue", iv.queue),
@@ -269,7 +285,14 @@ class RequestTracer(Consumer):
         ):
             if value is not None:
                 attrs[key] = value
-        span = self._tracer.start_span(SPAN_NAME, kind=SpanKind.SERVER, start_time=self._ns(done.arrival), attributes=attrs)
+        parent = None
+        if arrived is not None and arrived.traceparent:
+            carrier = {"traceparent": arrived.traceparent}
+            if arrived.tracestate:
+                carrier["tracestate"] = arrived.tracestate
+            parent = _PROPAGATOR.extract(carrier)  # the client's trace: this span joins it
+        span = self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER,
+                                       start_time=self._ns(done.arrival), attributes=attrs)
         for name, t, event_attrs in req.span_events:
             span.add_event(name, event_attrs, timestamp=self._ns(t))
         if done.reason == "error":

@@ -30,8 +30,8 @@ from engine.events import (
     EngineStarted,
     Event,
     EventBus,
-    RequestArrived,
     RequestRejected,
+    Snapshot,
     Step,
 )
 from engine.model_runner import graph_batch_sizes
@@ -99,7 +99,7 @@ class FakeEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
-            wall_time=time.time())
+            gpu_memory_utilization=config.gpu_memory_utilization, wall_time=time.time())
         # Model-runner mimicry: decode CUDA graphs on a (pretend) CUDA device unless eager.
         self.graph_sizes: list[int] = []
         if device.startswith("cuda") and not config.enforce_eager:
@@ -126,9 +126,6 @@ class FakeEngine:
                        seq_id=request_id)
         self.scheduler.add(seq)
         self.all_seqs.append(seq)
-        if self.bus.active:
-            self.bus.emit(RequestArrived, request_id=seq.seq_id, prompt_tokens=seq.num_prompt_tokens,
-                          max_tokens=max_tokens, temperature=seq.temperature, arrival=seq.arrival_time)
         return seq
 
     def abort(self, request_id: int) -> bool:
@@ -362,6 +359,19 @@ def _one_round(engine: FakeEngine) -> None:
         engine.step()
     engine.abort(late.seq_id)
     engine.run()
+
+
+def mid_run_snapshot(steps: int = 8, **config) -> Snapshot:
+    """The scheduler's snapshot after ``steps`` steps of a ``workload_engine(**config)`` round, with
+    requests waiting, running and holding shared and cached blocks."""
+    engine = workload_engine(**config)
+    cfg = engine.config
+    system = _tokens(2 * cfg.kvcache_block_size + 3, 0)
+    for i in range(4):
+        engine.add(system + _tokens(8 + i, i), max_tokens=40, temperature=0.7)
+    for _ in range(steps):
+        engine.step()
+    return engine.scheduler.snapshot()
 
 
 def workload_events(rounds: int = 1, **config) -> list[Event]:

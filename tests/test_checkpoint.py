@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models.checkpoint as checkpoint
 from models.checkpoint import PRESETS, ensure_checkpoint, main, make_checkpoint, special_tokens, tensor_shapes
-from models.tokenizer import build_tokenizer
+from models.tokenizer import build_tokenizer, load_tokenizer
 
-FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+FILES = ["config.json", "generation_config.json", "glassbox_checkpoint.json", "model.safetensors", "tokenizer.json",
+         "tokenizer_config.json"]
 
 
 def test_transformers_loads_model_with_the_stored_weights(tiny_checkpoint: Path) -> None:
@@ -156,6 +157,37 @@ def test_ensure_checkpoint_makes_once_under_glassbox_cache(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["tiny", "tiny-seed2-float32"]
     with pytest.raises(ValueError, match="unknown preset"):
         ensure_checkpoint("qwen9")
+
+
+def test_the_preset_cache_rebuilds_a_checkpoint_made_by_an_older_maker(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLASSBOX_CACHE", str(tmp_path))
+    path = ensure_checkpoint("tiny")
+    assert checkpoint.maker_version(path) == checkpoint.MAKER_VERSION
+    # A checkpoint from before makers wrote their version: no chat template, no version file.
+    (path / checkpoint.MAKER_FILE).unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert checkpoint.maker_version(path) == 1
+    assert ensure_checkpoint("tiny") == path
+    assert checkpoint.maker_version(path) == checkpoint.MAKER_VERSION
+    assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
+    assert [p.name for p in tmp_path.joinpath("checkpoints").iterdir()] == ["tiny"]  # nothing stale left
+
+
+def test_chat_template_renders_qwen3_style(tiny_checkpoint: Path) -> None:
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids.count(start) == 3 and ids.count(end) == 2  # the markers are single special tokens
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "system\nbe brief\nuser\nhi\nassistant\n"
+    thinking_off = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=False)
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_interrupted_write_leaves_no_partial_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,10 +34,25 @@ def test_max_waiting_requests_is_unbounded_or_at_least_one():
 @pytest.mark.parametrize("kwargs,match", [
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+    ({"top_p": 0}, r"top_p=0 is invalid: must be in \(0, 1\]"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k=-2"), ({"top_k": 2.0}, "top_k"),
+    ({"min_tokens": 10, "max_tokens": 5}, r"min_tokens=10 is invalid: must be an integer from 0 to max_tokens \(5\)"),
+    ({"seed": 1.5}, "seed"), ({"stop": [""]}, "stop"), ({"stop": [3]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": "12"}, "stop_token_ids"),
+    ({"skip_special_tokens": 1}, "skip_special_tokens"),
 ])
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalise_and_say_when_the_sampler_needs_more_than_a_temperature():
+    params = SamplingParams(top_k=-1, stop="end", stop_token_ids=[3, 4])
+    assert (params.top_k, params.stop, params.stop_token_ids) == (0, ("end",), (3, 4))
+    assert SamplingParams().plain and SamplingParams(stop="x").plain  # stop strings are the engine's, not the sampler's
+    assert not SamplingParams(top_p=0.9).plain and not SamplingParams(seed=3).plain
+    assert not SamplingParams(min_tokens=2).plain
+    assert SamplingParams(temperature=0, top_k=5, seed=3).plain  # greedy ignores both
 
 
 def test_greedy_temperature_zero_is_allowed():

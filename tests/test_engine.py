@@ -381,6 +381,53 @@ def test_sampling_parameters_of_the_wrong_type_are_refused(tiny_checkpoint):
     assert llm.is_finished()
 
 
+def test_stop_strings_stop_token_ids_and_min_tokens_in_generate(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    prompt = [11, 22, 33, 44]
+    (free,) = llm.generate(prompt, greedy(24), use_tqdm=False)
+    ids = free["token_ids"]
+    pieces = [llm.tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    k = next(i for i in range(3, len(ids)) if len(pieces[i]) >= 3 and pieces[i] not in "".join(pieces[:i]))
+    events = []
+    llm.events.subscribe(events.append)
+    (stopped,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=pieces[k]),
+                              use_tqdm=False)
+    assert stopped == {"text": "".join(pieces[:k]), "token_ids": ids[:k + 1]}
+    assert [e.reason for e in events if e.kind == "request_finished"] == ["stop"]
+    # A stop token id stops even with ignore_eos; its text is left out, the id kept.
+    j = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    (by_id,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                   stop_token_ids=[ids[j]]), use_tqdm=False)
+    assert by_id["token_ids"] == ids[:j + 1] and by_id["text"] == llm.tokenizer.decode(ids[:j], skip_special_tokens=True)
+    # Before min_tokens the stop token cannot be sampled: greedy takes the next best there.
+    (held,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=j + 2,
+                                                  stop_token_ids=[ids[j]]), use_tqdm=False)
+    assert held["token_ids"][:j] == ids[:j] and held["token_ids"][j] != ids[j] and len(held["token_ids"]) >= j + 2
+    assert llm.is_finished()
+
+
+def test_a_seeded_request_samples_the_same_alone_and_among_others(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    seeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=42)
+    (alone,) = llm.generate([5, 6, 7], seeded, use_tqdm=False)
+    others = [SamplingParams(temperature=1.0, max_tokens=20 + i, ignore_eos=True, seed=None if i % 2 else i)
+              for i in range(8)]
+    crowd = llm.generate([[9, 8, 7, 6 + i] for i in range(4)] + [[5, 6, 7]] + [[1, 2, 3 + i] for i in range(4)],
+                         others[:4] + [seeded] + others[4:], use_tqdm=False)
+    assert crowd[4]["token_ids"] == alone["token_ids"]
+    (other,) = llm.generate([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=43),
+                            use_tqdm=False)
+    assert other["token_ids"] != alone["token_ids"]
+
+
+def test_top_k_one_is_greedy(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    cut = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    assert [c["token_ids"] for c in cut] == [g["token_ids"] for g in llm.generate(prompts, greedy(12), use_tqdm=False)]
+
+
 def test_the_waiting_queue_limit_refuses_with_queue_full(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, max_waiting_requests=2)
     events = []

@@ -137,6 +137,12 @@ def test_a_script_exits_non_zero_when_its_mechanism_is_off(tiny_checkpoint, tmp_
 
 # --- the harness ----------------------------------------------------------------------------------
 
+def arrived(rid: int, prompt_tokens: int, max_tokens: int) -> RequestArrived:
+    return RequestArrived(t=0, step=0, request_id=rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                          temperature=0, top_p=1.0, top_k=0, arrival=0.0, client_id=None, traceparent=None,
+                          tracestate=None)
+
+
 def schedule(step: int, phase: str, ids: tuple[int, ...], tokens: tuple[int, ...], running: int) -> Schedule:
     return Schedule(t=step, step=step, phase=phase, request_ids=ids, num_tokens=tokens,
                     chunked=(False,) * len(ids), waiting=0, running=running, free_blocks=4)
@@ -160,8 +166,8 @@ def hand_made_run() -> list[Event]:
     """Block size 16. Request 1 (40 tokens, 16 cached) is prefilled in two chunks; request 2 (20 tokens)
     in two more; request 2, the youngest, is preempted and comes back with its first block cached."""
     return [
-        RequestArrived(t=0, step=0, request_id=1, prompt_tokens=40, max_tokens=3, temperature=0, arrival=0.0),
-        RequestArrived(t=0, step=0, request_id=2, prompt_tokens=20, max_tokens=3, temperature=0, arrival=0.0),
+        arrived(1, prompt_tokens=40, max_tokens=3),
+        arrived(2, prompt_tokens=20, max_tokens=3),
         PrefixHit(t=1, step=1, request_id=1, query_tokens=40, hit_tokens=16, hit_block_ids=(7,)),
         schedule(1, "prefill", (1,), (16,), running=0), step_done(1, "prefill", 1, 16),
         schedule(2, "prefill", (1,), (8,), running=1), Tokens(t=2.6, step=2, request_ids=(1,), token_ids=(5,)),
@@ -213,9 +219,9 @@ def test_step_and_request_rows():
 
 
 def test_a_recording_carries_its_workload_tags(tmp_path):
-    events = [RequestArrived(t=0, step=0, request_id=10, prompt_tokens=4, max_tokens=1, temperature=0, arrival=0),
+    events = [arrived(10, prompt_tokens=4, max_tokens=1),
               RequestRejected(t=0, step=0, request_id=11, reason="too long", code="invalid"),
-              RequestArrived(t=0, step=0, request_id=12, prompt_tokens=4, max_tokens=1, temperature=0, arrival=0)]
+              arrived(12, prompt_tokens=4, max_tokens=1)]
     with EventRecorder(tmp_path / "run.jsonl.gz", meta={"tags": ["first", "refused", "third"]}) as recorder:
         for e in events:
             recorder.put(e)

@@ -22,7 +22,7 @@ def import_with_blocked(modules: list[str], blocked: set[str]) -> subprocess.Com
 
 def test_engine_never_imports_exporters_or_ui():
     result = import_with_blocked(
-        ["engine", "engine.live", "engine.workloads", "engine.options", "engine.model_runner"],
+        ["engine", "engine.live", "engine.workloads", "engine.options", "engine.model_runner", "engine.detokenizer"],
         {"prometheus_client", "opentelemetry", "textual", "fastapi", "starlette", "uvicorn", "telemetry", "serve",
          "tui", "experiments"},
     )
@@ -37,10 +37,19 @@ def test_models_and_kernels_never_import_the_engine():
     assert result.returncode == 0, result.stderr
 
 
-
 def test_telemetry_never_imports_the_server_or_ui():
     result = import_with_blocked(
-        ["telemetry.prometheus", "telemetry.tracing", "telemetry.recorder", "telemetry.options", "telemetry.__main__"],
-        {"textual", "fastapi", "starlette", "uvicorn", "serve", "tui", "experiments"},
+        ["telemetry.prometheus", "telemetry.tracing", "telemetry.recorder", "telemetry.options", "telemetry.__main__",
+         "telemetry.kv_residency"],
+        {"textual", "fastapi", "starlette", "uvicorn", "prometheus_fastapi_instrumentator", "serve", "tui",
+         "experiments"},
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_server_never_imports_the_ui_or_the_labs():
+    result = import_with_blocked(
+        ["serve", "serve.app", "serve.server", "serve.openai", "serve.events", "serve.__main__"],
+        {"textual", "tui", "experiments"},
     )
     assert result.returncode == 0, result.stderr

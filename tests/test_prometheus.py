@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.events import REJECTION_CODES
 from telemetry.grafana import dashboard_exprs, metric_names
 from telemetry.prometheus import (
+    CACHE_CONFIG_LABELS,
     ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
     NUM_PREEMPTIONS_BUCKETS,
@@ -22,50 +23,62 @@ from tests.control_plane import CAPTURE_SECONDS, GRAPH_POOL_BYTES, workload_engi
 MODEL = "glassbox-test"
 MAX_MODEL_LEN = 256
 
-# name as exposed by its family -> (type, extra label names, buckets or None)
+BASE = {"model_name", "engine"}
+# name as exposed by its family -> (type, label names, buckets or None)
 REQUIRED = {
-    "vllm:num_requests_running": ("gauge", set(), None),
-    "vllm:num_requests_waiting": ("gauge", set(), None),
-    "vllm:kv_cache_usage_perc": ("gauge", set(), None),
-    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"}, None),
-    "vllm:prompt_tokens": ("counter", set(), None),
-    "vllm:generation_tokens": ("counter", set(), None),
-    "vllm:prompt_tokens_cached": ("counter", set(), None),
-    "vllm:prompt_tokens_by_source": ("counter", {"source"}, None),
-    "vllm:request_success": ("counter", {"finished_reason"}, None),
-    "vllm:num_preemptions": ("counter", set(), None),
-    "vllm:prefix_cache_queries": ("counter", set(), None),
-    "vllm:prefix_cache_hits": ("counter", set(), None),
-    "vllm:time_to_first_token_seconds": ("histogram", set(), TTFT_BUCKETS),
-    "vllm:inter_token_latency_seconds": ("histogram", set(), ITL_BUCKETS),
-    "vllm:request_time_per_output_token_seconds": ("histogram", set(), ITL_BUCKETS),
-    "vllm:e2e_request_latency_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
-    "vllm:request_queue_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
-    "vllm:request_prefill_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
-    "vllm:request_decode_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
-    "vllm:request_inference_time_seconds": ("histogram", set(), REQUEST_LATENCY_BUCKETS),
-    "vllm:request_prompt_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
-    "vllm:request_generation_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
-    "vllm:request_max_num_generation_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
-    "vllm:request_params_max_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
-    "vllm:request_params_n": ("histogram", set(), [1, 2, 5, 10, 20]),
-    "vllm:request_prefill_kv_computed_tokens": ("histogram", set(), build_1_2_5_buckets(MAX_MODEL_LEN)),
-    "vllm:request_num_preemptions": ("histogram", set(), NUM_PREEMPTIONS_BUCKETS),
-    "vllm:iteration_tokens_total": ("histogram", set(), ITERATION_TOKENS_BUCKETS),
-    "glassbox:dropped_events": ("counter", {"consumer"}, None),
-    "glassbox:consumer_errors": ("counter", {"consumer"}, None),
-    "vllm:admission_rejections": ("counter", {"reason"}, None),
-    "glassbox:rejected_requests": ("counter", {"code"}, None),
-    "glassbox:block_evictions": ("counter", set(), None),
-    "glassbox:blocks_stored": ("counter", set(), None),
-    "glassbox:prefill_chunks": ("counter", set(), None),
-    "glassbox:cudagraph_replays": ("counter", set(), None),
-    "glassbox:cudagraph_padded_slots": ("counter", set(), None),
-    "glassbox:cudagraph_capture_seconds": ("gauge", set(), None),
-    "glassbox:cudagraph_pool_bytes": ("gauge", set(), None),
-    "glassbox:steps": ("counter", {"phase"}, None),
-    "glassbox:step_duration_seconds": ("histogram", {"phase"}, [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]),
-    "glassbox:step_host_seconds": ("counter", {"phase", "stage"}, None),
+    "vllm:num_requests_waiting_by_reason": ("gauge", BASE | {"reason"}, None),
+    "vllm:engine_sleep_state": ("gauge", BASE | {"sleep_state"}, None),
+    "vllm:prompt_tokens_cached_by_source": ("counter", BASE | {"source"}, None),
+    "vllm:external_prefix_cache_queries": ("counter", BASE, None),
+    "vllm:external_prefix_cache_hits": ("counter", BASE, None),
+    "vllm:mm_cache_queries": ("counter", BASE, None),
+    "vllm:mm_cache_hits": ("counter", BASE, None),
+    "vllm:estimated_flops_per_gpu": ("counter", BASE, None),
+    "vllm:estimated_read_bytes_per_gpu": ("counter", BASE, None),
+    "vllm:estimated_write_bytes_per_gpu": ("counter", BASE, None),
+    "vllm:num_requests_running": ("gauge", BASE, None),
+    "vllm:num_requests_waiting": ("gauge", BASE, None),
+    "vllm:kv_cache_usage_perc": ("gauge", BASE, None),
+    # vLLM labels these two by what they are, not by model and engine both.
+    "vllm:cache_config_info": ("gauge", set(CACHE_CONFIG_LABELS), None),
+    "vllm:prompt_tokens": ("counter", BASE, None),
+    "vllm:generation_tokens": ("counter", BASE, None),
+    "vllm:prompt_tokens_cached": ("counter", BASE, None),
+    "vllm:prompt_tokens_by_source": ("counter", BASE | {"source"}, None),
+    "vllm:request_success": ("counter", BASE | {"finished_reason"}, None),
+    "vllm:num_preemptions": ("counter", BASE, None),
+    "vllm:prefix_cache_queries": ("counter", BASE, None),
+    "vllm:prefix_cache_hits": ("counter", BASE, None),
+    "vllm:time_to_first_token_seconds": ("histogram", BASE, TTFT_BUCKETS),
+    "vllm:inter_token_latency_seconds": ("histogram", BASE, ITL_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": ("histogram", BASE, ITL_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("histogram", BASE, REQUEST_LATENCY_BUCKETS),
+    "vllm:request_queue_time_seconds": ("histogram", BASE, REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prefill_time_seconds": ("histogram", BASE, REQUEST_LATENCY_BUCKETS),
+    "vllm:request_decode_time_seconds": ("histogram", BASE, REQUEST_LATENCY_BUCKETS),
+    "vllm:request_inference_time_seconds": ("histogram", BASE, REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prompt_tokens": ("histogram", BASE, build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_generation_tokens": ("histogram", BASE, build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_max_num_generation_tokens": ("histogram", BASE, build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_params_max_tokens": ("histogram", BASE, build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_params_n": ("histogram", BASE, [1, 2, 5, 10, 20]),
+    "vllm:request_prefill_kv_computed_tokens": ("histogram", BASE, build_1_2_5_buckets(MAX_MODEL_LEN)),
+    "vllm:request_num_preemptions": ("histogram", BASE, NUM_PREEMPTIONS_BUCKETS),
+    "vllm:iteration_tokens_total": ("histogram", BASE, ITERATION_TOKENS_BUCKETS),
+    "glassbox:dropped_events": ("counter", BASE | {"consumer"}, None),
+    "glassbox:consumer_errors": ("counter", BASE | {"consumer"}, None),
+    "vllm:admission_rejections": ("counter", {"model_name", "reason"}, None),
+    "glassbox:rejected_requests": ("counter", BASE | {"code"}, None),
+    "glassbox:block_evictions": ("counter", BASE, None),
+    "glassbox:blocks_stored": ("counter", BASE, None),
+    "glassbox:prefill_chunks": ("counter", BASE, None),
+    "glassbox:cudagraph_replays": ("counter", BASE, None),
+    "glassbox:cudagraph_padded_slots": ("counter", BASE, None),
+    "glassbox:cudagraph_capture_seconds": ("gauge", BASE, None),
+    "glassbox:cudagraph_pool_bytes": ("gauge", BASE, None),
+    "glassbox:steps": ("counter", BASE | {"phase"}, None),
+    "glassbox:step_duration_seconds": ("histogram", BASE | {"phase"}, [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]),
+    "glassbox:step_host_seconds": ("counter", BASE | {"phase", "stage"}, None),
 }
 
 
@@ -110,14 +123,22 @@ def feed(exporter: PrometheusExporter, events) -> None:
 
 def test_every_required_metric_has_vllm_type_labels_and_buckets(exporter, events):
     feed(exporter, events)
-    families = scrape(exporter.url)
-    for name, (kind, extra, buckets) in REQUIRED.items():
+    check_contract(scrape(exporter.url), MODEL, MAX_MODEL_LEN)
+
+
+def check_contract(families: dict, model: str, max_model_len: int) -> None:
+    """vLLM's names, types, label names and buckets, for every required family."""
+    required = dict(REQUIRED)
+    for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
+                 "vllm:request_params_max_tokens", "vllm:request_prefill_kv_computed_tokens"):
+        required[name] = ("histogram", BASE, build_1_2_5_buckets(max_model_len))
+    for name, (kind, labels, buckets) in required.items():
         assert name in families, name
         family = families[name]
         assert family.type == kind, name
         for sample in family.samples:
-            assert set(sample.labels) - {"le"} == {"model_name", "engine"} | extra, (name, sample.labels)
-            assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0"
+            assert set(sample.labels) - {"le"} == labels, (name, sample.labels)
+            assert sample.labels.get("model_name", model) == model and sample.labels.get("engine", "0") == "0"
         if buckets is not None:
             series = [s for s in family.samples if s.name.endswith("_bucket")]
             first = {k: v for k, v in series[0].labels.items() if k != "le"}
@@ -126,6 +147,30 @@ def test_every_required_metric_has_vllm_type_labels_and_buckets(exporter, events
             assert les[-1] == "+Inf"
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples if s.name.endswith("_total")}
     assert reasons == {"stop", "length", "abort", "error", "repetition"}
+
+
+def test_the_servers_port_keeps_the_contract_and_adds_http_and_process_metrics(tiny_checkpoint):
+    """/metrics on `python -m serve`'s own port: the same contract, plus what vLLM's server exports
+    beside it (prometheus-fastapi-instrumentator's http_* series, process_* and python_*)."""
+    import httpx
+
+    from tests.servers import in_process_server
+
+    with in_process_server(tiny_checkpoint, name="served") as server:
+        for i in range(3):
+            httpx.post(server.url + "/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 4})
+        httpx.post(server.url + "/v1/completions", json={"prompt": "x", "n": 2})
+        assert server.wait_idle() and server.exporter.flush()
+        families = scrape(server.url + "/metrics")
+    check_contract(families, "served", 512)
+    statuses = {(s.labels["handler"], s.labels["method"], s.labels["status"])
+                for s in families["http_requests"].samples if s.name == "http_requests_total"}
+    assert {("/v1/completions", "POST", "2xx"), ("/v1/completions", "POST", "4xx")} <= statuses
+    assert not any(h == "/metrics" for h, _, _ in statuses)  # scrapes are not the traffic they describe
+    for family in ("http_request_duration_seconds", "http_request_duration_highr_seconds", "http_request_size_bytes",
+                   "http_response_size_bytes", "process_resident_memory_bytes", "python_info", "python_gc_objects_collected"):
+        assert family in families, family
+    assert value(families, "vllm:generation_tokens_total") == 12
 
 
 def test_series_exist_before_any_event(exporter):
@@ -297,7 +342,7 @@ def test_rejections_are_counted_by_code_and_a_full_queue_as_an_admission_rejecti
     assert rejected == refused
     feed(exporter, engine.events)
     fam = scrape(exporter.url)
-    assert value(fam, "vllm:admission_rejections_total", reason="queue_full") == rejected["queue_full"]
+    assert value(fam, "vllm:admission_rejections_total", reason="max_num_queued_reqs") == rejected["queue_full"]
     for code in REJECTION_CODES:
         assert value(fam, "glassbox:rejected_requests_total", code=code) == rejected[code]
 
@@ -315,7 +360,7 @@ def test_bus_feeds_the_exporter_off_the_engine_thread():
         assert exp.flush()
         text = exp.exposition()
     assert 'vllm:num_requests_running{engine="0",model_name="glassbox-test"} 0.0' in arrived_only
-    assert 'vllm:cache_config_info{block_size="16"' in text
+    assert 'vllm:cache_config_info{_block_size_resolved="True",block_size="16"' in text
     assert 'vllm:generation_tokens_total{engine="0",model_name="glassbox-test"} 15.0' in text
     assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="glassbox-test"} 3.0' in text
 
@@ -363,6 +408,18 @@ def test_dashboard_reads_only_exported_metrics(exporter, events):
         "vllm:request_prefill_kv_computed_tokens",
         "vllm:prompt_tokens_cached",
         "vllm:admission_rejections",
+        # vLLM's default series that stay zero or constant for glassbox (no sleep mode, KV connector,
+        # multimodal inputs or FLOP estimates), and the split of cached tokens by where they were found.
+        "vllm:engine_sleep_state",
+        "vllm:external_prefix_cache_queries",
+        "vllm:external_prefix_cache_hits",
+        "vllm:mm_cache_queries",
+        "vllm:mm_cache_hits",
+        "vllm:estimated_flops_per_gpu",
+        "vllm:estimated_read_bytes_per_gpu",
+        "vllm:estimated_write_bytes_per_gpu",
+        "vllm:prompt_tokens_cached_by_source",
+        "vllm:num_requests_waiting_by_reason",
     }
 
 

@@ -58,7 +58,9 @@ def test_span_attributes_follow_vllm(events, spans):
         assert a["gen_ai.usage.completion_tokens"] == e.output_tokens
         assert a["gen_ai.usage.cached_tokens"] == e.cached_tokens
         assert a["gen_ai.request.max_tokens"] == arrived[e.request_id].max_tokens
-        assert a["gen_ai.request.temperature"] == arrived[e.request_id].temperature
+        # As vLLM: greedy requests carry no temperature.
+        assert a.get("gen_ai.request.temperature", 0.0) == arrived[e.request_id].temperature
+        assert a["gen_ai.request.top_p"] == arrived[e.request_id].top_p
         assert a["gen_ai.response.finish_reasons"] == (e.reason,)
         assert a["gen_ai.request.model"] == STARTED.model
         assert a["gen_ai.latency.time_to_first_token"] == pytest.approx(e.first_token - e.arrival)
@@ -159,6 +161,67 @@ def test_otlp_http_export_reaches_a_collector(events, monkeypatch, via_env):
     assert attrs["gen_ai.usage.prompt_tokens"].int_value > 0
 
 
+def test_otlp_grpc_export_reaches_a_collector(events, monkeypatch):
+    """OTLP over gRPC, vLLM's default protocol, chosen by the standard variable."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.append(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+        with RequestTracer(otlp_endpoint=f"http://127.0.0.1:{port}") as tracer:
+            for e in events:
+                tracer.put(e)
+            assert tracer.flush()
+    finally:
+        server.stop(None)
+    spans = [span for request in received for rs in request.resource_spans for ss in rs.scope_spans
+             for span in ss.spans]
+    assert len(spans) == sum(e.kind == "request_finished" for e in events)
+    assert {s.name for s in spans} == {"llm_request"}
+
+
+def test_a_request_with_a_traceparent_joins_the_callers_trace(tiny_checkpoint):
+    """Through the server: the span's parent is the context of the request's traceparent header,
+    and it names the request as the client did (X-Request-Id)."""
+    import httpx
+
+    from tests.servers import in_process_server
+
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    memory = InMemorySpanExporter()
+    with in_process_server(tiny_checkpoint) as server:
+        tracer = RequestTracer(span_exporter=memory)
+        tracer.attach(server.llm.events)
+        headers = {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=glassbox",
+                   "X-Request-Id": "client-42"}
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                                                    "top_p": 0.9}, headers=headers)
+        assert response.status_code == 200 and response.headers["X-Request-Id"] == "client-42"
+        httpx.post(server.url + "/v1/completions", json={"prompt": "no trace", "max_tokens": 2})
+        assert server.wait_idle()
+        tracer.close()
+    joined, alone = sorted(memory.get_finished_spans(), key=lambda span: span.parent is None)
+    assert format(joined.context.trace_id, "032x") == trace_id
+    assert format(joined.parent.span_id, "016x") == parent_id and joined.parent.is_remote
+    assert str(joined.context.trace_state) == str(joined.parent.trace_state) or joined.context.trace_state.get("vendor")
+    assert joined.attributes["gen_ai.request.id"] == "cmpl-client-42"
+    assert joined.attributes["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert alone.parent is None and alone.attributes["gen_ai.request.id"].startswith("cmpl-")
+
+
 def test_bad_endpoints_fail_up_front(monkeypatch):
     with pytest.raises(ValueError) as err:
         RequestTracer(otlp_endpoint="foo")
@@ -171,8 +234,8 @@ def test_bad_endpoints_fail_up_front(monkeypatch):
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT must be an http"):
         RequestTracer()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    with pytest.raises(ValueError, match="only OTLP over http/protobuf"):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift")
+    with pytest.raises(ValueError, match="must be grpc or http/protobuf, got 'thrift'"):
         RequestTracer()
 
 

@@ -27,11 +27,17 @@ from tests.control_plane import FakeEngine, run_workload, workload_engine, workl
 from tui.state import FEED_RUN_IDS, FEED_SIZE, FINISHED_KEPT, BlockState, DashboardState, percentile
 
 
+def arrived(rid: int, prompt_tokens: int, max_tokens: int, temperature: float = 0.0) -> RequestArrived:
+    return RequestArrived(t=101, step=0, request_id=rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                          temperature=temperature, top_p=1.0, top_k=0, arrival=101.0, client_id=None,
+                          traceparent=None, tracestate=None)
+
+
 def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
     return EngineStarted(t=t, step=0, model="/ckpt/tiny", device="cpu", dtype="float32", attention_backend="torch",
                          block_size=16, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64,
                          max_model_len=256, enable_prefix_caching=True, enforce_eager=True,
-                         tensor_parallel_size=1, wall_time=0.0)
+                         tensor_parallel_size=1, gpu_memory_utilization=0.9, wall_time=0.0)
 
 
 def step(n: int, t: float, phase: str = "decode", prefill: int = 0, decode: int = 1) -> Step:
@@ -122,7 +128,7 @@ def test_block_life_cycle_used_cached_evicted():
 
 def test_request_lifecycle_in_the_table():
     state = fed(
-        RequestArrived(t=101, step=0, request_id=7, prompt_tokens=40, max_tokens=5, temperature=0.8, arrival=101.0),
+        arrived(7, prompt_tokens=40, max_tokens=5, temperature=0.8),
         BlockAlloc(t=102, step=1, request_id=7, block_ids=(0, 1, 2), refcounts=(1, 1, 1)),
         PrefixHit(t=102, step=1, request_id=7, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
         Schedule(t=102, step=1, phase="prefill", request_ids=(7,), num_tokens=(8,), chunked=(False,), waiting=0,
@@ -151,10 +157,8 @@ def test_request_lifecycle_in_the_table():
 def test_finished_rows_are_bounded_and_newest_first():
     events = []
     for rid in range(FINISHED_KEPT + 5):
-        events.append(RequestArrived(t=101, step=0, request_id=rid, prompt_tokens=4, max_tokens=1, temperature=0,
-                                     arrival=101.0))
-    events.append(RequestArrived(t=101, step=0, request_id=99, prompt_tokens=4, max_tokens=1, temperature=0,
-                                 arrival=101.0))
+        events.append(arrived(rid, prompt_tokens=4, max_tokens=1))
+    events.append(arrived(99, prompt_tokens=4, max_tokens=1))
     for rid in range(FINISHED_KEPT + 5):
         events.append(RequestFinished(t=102, step=1, request_id=rid, reason="stop", prompt_tokens=4, cached_tokens=0,
                                       output_tokens=1, num_preemptions=0, arrival=101.0, first_scheduled=101.5,

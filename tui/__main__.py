@@ -2,7 +2,8 @@
 
 With no arguments it serves the ``tiny`` preset (made on first use) with the ``mixed`` workload on a
 pool small enough that prefix hits, chunked prefill, evictions and preemptions all show within
-half a minute. ``--replay FILE`` plays a recording instead of running an engine. A live run ends,
+half a minute. ``--replay FILE`` plays a recording instead of running an engine; ``--connect URL``
+watches an engine served by ``python -m serve`` through its ``/v1/events`` stream. A live run ends,
 once the terminal is back, with the same summary as ``python -m telemetry``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections import deque
@@ -29,7 +31,7 @@ from engine.options import (
 from telemetry.event_queue import Consumer
 from telemetry.options import add_telemetry_args, open_consumers
 from telemetry.summary import RunSummary
-from tui.sources import LiveSource, ReplaySource, Source
+from tui.sources import ConnectedSource, LiveSource, ReplaySource, Source
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -45,6 +47,10 @@ def make_parser() -> argparse.ArgumentParser:
     replay = parser.add_argument_group("replay")
     replay.add_argument("--replay", metavar="FILE", help="play a recording instead of running an engine")
     replay.add_argument("--speed", type=float, default=1.0, help="replay speed (default: %(default)s; +/- change it)")
+    connect = parser.add_argument_group("a served engine")
+    connect.add_argument("--connect", metavar="URL",
+                         help="watch a running `python -m serve` (e.g. http://127.0.0.1:8000) instead of running an engine")
+    connect.add_argument("--api-key", metavar="KEY", help="the server's API key (default: $GLASSBOX_API_KEY)")
     return parser
 
 
@@ -79,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     fails to load included) exits 2 (``SystemExit``) once the terminal is back."""
     args = parse_checked(make_parser(), argv)
     with reported_errors(args):
-        if args.replay and (args.record or args.metrics_port is not None or args.otlp_endpoint):
-            raise OptionError("--replay plays a recording; --record, --metrics-port and --otlp-endpoint need a live engine")
+        if args.replay and args.connect:
+            raise OptionError("--replay plays a recording and --connect watches a server: give one of them")
+        for source in ("replay", "connect"):
+            if getattr(args, source) and (args.record or args.metrics_port is not None or args.otlp_endpoint):
+                raise OptionError(f"--{source} shows events that exist already; --record, --metrics-port and "
+                                  "--otlp-endpoint need a live engine of the dashboard's own")
+        if args.connect and not args.connect.startswith(("http://", "https://")):
+            raise OptionError(f"--connect takes the server's URL, such as http://127.0.0.1:8000; got {args.connect!r}")
         return _dashboard(args)
 
 
@@ -99,7 +111,9 @@ def _dashboard(args: argparse.Namespace) -> int:
             raise
 
     source: Source
-    if args.replay:
+    if args.connect:
+        source = ConnectedSource(args.connect, api_key=args.api_key or os.environ.get("GLASSBOX_API_KEY"))
+    elif args.replay:
         try:
             source = ReplaySource(args.replay, speed=args.speed)
         except (OSError, ValueError) as exc:  # not a recording, or not readable: said in one line
@@ -111,7 +125,8 @@ def _dashboard(args: argparse.Namespace) -> int:
         summary = RunSummary()
         consumers.insert(0, summary)
         source = _SummarisedSource(summary, build, args.workload, seed=args.seed, rate=args.rate, consumers=consumers)
-    app = DashboardApp(source, clock=None if args.replay else time.perf_counter, duration=args.duration)
+    # A live header's clock is the engine's; a replay's and a server's come from the events.
+    app = DashboardApp(source, clock=None if args.replay or args.connect else time.perf_counter, duration=args.duration)
     held = _HeldLog()
     root = logging.getLogger()
     saved_handlers = root.handlers[:]
@@ -134,7 +149,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     if boot_errors and isinstance(boot_errors[0], USAGE_ERRORS):
         raise boot_errors[0]
     if app.state.error is not None:
-        print(f"the {'replay' if args.replay else 'engine'} stopped: {app.state.error}", file=sys.stderr)
+        what = "replay" if args.replay else "server" if args.connect else "engine"
+        print(f"the {what} stopped: {app.state.error}", file=sys.stderr)
         return 1
     return 0
 

@@ -16,7 +16,7 @@ from textual.binding import Binding
 from textual.containers import Container
 from textual.widgets import Footer, Static
 
-from tui.sources import EngineError, Item, Reset, Source
+from tui.sources import EngineError, Item, Notice, Reset, Source
 from tui.state import DashboardState
 from tui.widgets.block_map import BlockMapPanel
 from tui.widgets.event_feed import EventFeed
@@ -129,6 +129,8 @@ class DashboardApp(App[None]):
             elif isinstance(item, EngineError):
                 self.state.set_error(item.message)
                 self.notify(item.message, title=f"{self._what_stops()} stopped", severity="error", timeout=10)
+            elif isinstance(item, Notice):
+                self.notify(item.message, severity="warning", timeout=5)
             else:
                 self.state.apply(item)
 
@@ -149,7 +151,7 @@ class DashboardApp(App[None]):
 
     def _what_stops(self) -> str:
         # A replay's error is a damaged recording, not the engine that made it.
-        return "replay" if self.source.mode == "replay" else "engine"
+        return {"replay": "replay", "connected": "server"}.get(self.source.mode, "engine")
 
     # --- keys -----------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import sys
 import threading
@@ -27,9 +28,9 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from engine.events import Event
+from engine.events import Event, event_from_dict
 from engine.workloads import WORKLOADS, ArrivalPacer, Request, make_workload
-from telemetry.recorder import Replayer
+from telemetry.recorder import Replayer, parse_header
 
 if TYPE_CHECKING:
     from engine.live import LiveEngine
@@ -60,7 +61,14 @@ class EngineError:
     message: str
 
 
-Item = Union[Event, Reset, EngineError]
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something to tell the user that stops nothing (a lost connection being retried)."""
+
+    message: str
+
+
+Item = Union[Event, Reset, EngineError, Notice]
 
 
 class EventBuffer:
@@ -446,3 +454,104 @@ class ReplaySource(Source):
         where = "end" if position is None else f"step {position}/{self.last_step}"
         state = "paused" if self.paused else ("done" if position is None else "replay")
         return f"{state} · {self.path.name} · {where} · speed ×{self.speed:.3g}"
+
+
+class ConnectedSource(Source):
+    """A served engine, watched over its ``/v1/events`` stream (``python -m tui --connect URL``).
+
+    Read-only: the clients are the workload and nothing here can pause or step the server's
+    engine, so no action is supported. Each connection starts the picture afresh (``Reset``) from
+    the server's snapshot. A lost connection, or a gap in the stream (the server dropped events
+    this client was too slow for), is shown and followed by a new connection, which resynchronises."""
+
+    mode = "connected"
+    RETRY_S = (0.5, 1.0, 2.0, 5.0)
+
+    def __init__(self, url: str, api_key: str | None = None) -> None:
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.phase = "connecting"
+        self.detail = ""
+        self._stopping = threading.Event()
+        self._response = None
+        self._thread = threading.Thread(target=self._run, name="glassbox-tui-connect", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stopping.set()
+        response = self._response
+        if response is not None:
+            response.close()  # unblocks the reader
+        self._thread.join(timeout)
+
+    def status(self) -> str:
+        where = self.url.split("://", 1)[-1]
+        text = {"connecting": "connecting", "live": "connected", "retrying": "disconnected",
+                "failed": "refused"}[self.phase]
+        return f"{text} · {where}" + (f" · {self.detail}" if self.detail else "")
+
+    def _run(self) -> None:
+        import httpx
+
+        headers = {"Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                with httpx.stream("GET", self.url + "/v1/events", headers=headers,
+                                  timeout=httpx.Timeout(5.0, read=60.0)) as response:
+                    self._response = response
+                    if response.status_code == 401:
+                        self.phase, self.detail = "failed", "the server wants an API key"
+                        self.buffer.put(EngineError(f"{self.url} refused the API key (401): pass --api-key or "
+                                                    "set GLASSBOX_API_KEY to the server's key"))
+                        return
+                    response.raise_for_status()
+                    failures = 0
+                    self.phase, self.detail = "live", ""
+                    why = self._read(response)
+            except (httpx.HTTPError, OSError, ValueError) as exc:
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            finally:
+                self._response = None
+            if self._stopping.is_set():
+                return
+            wait = self.RETRY_S[min(failures, len(self.RETRY_S) - 1)]
+            failures += 1
+            self.phase, self.detail = "retrying", f"retry in {wait:g}s"
+            self.buffer.put(Notice(f"{self.url}: {why}; reconnecting in {wait:g}s"))
+            self._stopping.wait(wait)
+
+    def _read(self, response) -> str:
+        """Feed the buffer from one connection; returns why it ended."""
+        kind, data = "message", []
+        first = True
+        for line in response.iter_lines():
+            if self._stopping.is_set():
+                return "stopped"
+            if line.startswith(":"):
+                continue  # a keep-alive comment
+            if line:
+                field, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                if field == "event":
+                    kind = value
+                elif field == "data":
+                    data.append(value)
+                continue
+            if data:
+                record = json.loads("\n".join(data))
+                if kind == "header":
+                    parse_header(record, self.url + "/v1/events")
+                    self.buffer.put(Reset())  # the snapshot that follows is the whole picture
+                    first = False
+                elif kind == "gap":
+                    return f"the server dropped {record.get('dropped', '?')} events this dashboard fell behind on"
+                elif not first:
+                    self.buffer.put(event_from_dict(record))
+            kind, data = "message", []
+        return "the server closed the stream"

@@ -29,6 +29,7 @@ from engine.events import (
     RequestFinished,
     RequestRejected,
     Schedule,
+    Snapshot,
     Step,
     Tokens,
 )
@@ -295,6 +296,17 @@ class DashboardState:
         self.refcounts = [0] * e.num_blocks
         self.cached = [False] * e.num_blocks
 
+    def _on_snapshot(self, e: Snapshot) -> None:
+        """A running engine's state, for a dashboard that joined it late: every live request and
+        block as they stand; the events after it apply on top."""
+        self.refcounts = list(e.refcounts)
+        self.cached = list(e.cached)
+        self.requests = {rid: row for rid, row in self.requests.items() if row.finished}
+        for i, rid in enumerate(e.request_ids):
+            self.requests[rid] = RequestRow(rid, e.prompt_tokens[i], e.max_tokens[i], e.arrivals[i], state=e.states[i],
+                                            cached_tokens=e.cached_tokens[i], generated=e.output_tokens[i],
+                                            preemptions=e.num_preemptions[i])
+
     def _on_graph_capture(self, e: CudaGraphCapture) -> None:
         self.graph_batch_sizes = e.batch_sizes
 
@@ -449,6 +461,7 @@ class DashboardState:
 
 _HANDLERS = {
     EngineStarted: DashboardState._on_engine_started,
+    Snapshot: DashboardState._on_snapshot,
     CudaGraphCapture: DashboardState._on_graph_capture,
     RequestArrived: DashboardState._on_arrived,
     RequestRejected: DashboardState._on_rejected,

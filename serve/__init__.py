@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server in front of the engine: ``python -m serve``."""
