@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -92,7 +93,7 @@ def offline_run(llm, prompts: list[list[int]], params) -> dict:
     llm.reset_prefix_cache()
     torch.cuda.synchronize()
     steps = []
-    unsubscribe = llm.events.subscribe(lambda e: steps.append(e.duration_s) if e.kind == "step" else None)
+    unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
     cpu = time.thread_time()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -100,8 +101,27 @@ def offline_run(llm, prompts: list[list[int]], params) -> dict:
     cpu = time.thread_time() - cpu
     unsubscribe()
     tokens = sum(len(o["token_ids"]) for o in outs)
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(steps),
-            "step_seconds": sum(steps), "engine_thread_cpu_s": cpu}
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "engine_thread_cpu_s": cpu,
+            **step_profile(steps)}
+
+
+_PARTS = ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")
+
+
+def step_profile(steps: list) -> dict:
+    """The engine's steps: how many, their time, and per batch range (halving from 256) the mean
+    host-time parts of a decode step, in ms: where serving slows the engine, if it does."""
+    by_range = {}
+    hi = 256
+    while hi >= 1:
+        lo = hi // 2 + 1 if hi > 8 else 1
+        decode = [s for s in steps if s.phase == "decode" and lo <= s.num_seqs <= hi]
+        if decode:
+            by_range[f"{lo}-{hi}"] = {"steps": len(decode), **{part[:-2]: round(1e3 * statistics.mean(
+                getattr(s, part) for s in decode), 3) for part in _PARTS}}
+        hi = lo - 1
+    return {"steps": len(steps), "step_seconds": sum(s.duration_s for s in steps),
+            "prefill_steps": sum(s.phase == "prefill" for s in steps), "decode_by_batch": by_range}
 
 
 def thread_cpu_seconds(name: str) -> float:
@@ -122,7 +142,7 @@ def online_run(llm, directory: Path, exporter, prompts: list[list[int]], params,
     thread.start()
     server.started.wait(60)
     steps = []
-    unsubscribe = llm.events.subscribe(lambda e: steps.append(e.duration_s) if e.kind == "step" else None)
+    unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
     bodies = [{"model": "bench", "prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
               for p, sp in zip(prompts, params)]
@@ -158,8 +178,8 @@ def online_run(llm, directory: Path, exporter, prompts: list[list[int]], params,
     ttfts = sorted(r["first"] - r["sent"] for r in results)
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "ttft_p50_s": ttfts[len(ttfts) // 2], "client_procs": client_procs,
-            "steps": len(steps), "step_seconds": sum(steps),
-            "server_thread_cpu_s": cpu["bench-server"], "engine_thread_cpu_s": cpu["glassbox-engine"]}
+            "server_thread_cpu_s": cpu["bench-server"], "engine_thread_cpu_s": cpu["glassbox-engine"],
+            **step_profile(steps)}
 
 
 # --- the sweep --------------------------------------------------------------------------------------
@@ -167,12 +187,15 @@ def online_run(llm, directory: Path, exporter, prompts: list[list[int]], params,
 def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, requests: int, prompt_tokens: int,
                    output_tokens: int, out: Path) -> dict:
     binary = Path(sys.executable).with_name("guidellm")
+    # The output length goes in as max_tokens, not as the data's output_tokens, which would also send
+    # ignore_eos: a vLLM extension transformers serve refuses. Random weights sample the end of
+    # sequence about once in the vocabulary's size, so answers run to max_tokens either way.
     command = [str(binary) if binary.exists() else "guidellm", "run",
                "--backend", f"kind=openai_http,target={url},request_format=/v1/chat/completions,model={model},"
-                            "validate_backend=false",
+                            f"validate_backend=false,max_tokens={output_tokens}",
                "--profile", f"kind=poisson,rate={rate}", "--constraint", f"kind=max_requests,count={requests}",
                "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
-               "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+               "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens}",
                "--output", f"kind=json,path={out}", "--disable-progress"]
     run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                          timeout=900)
@@ -190,11 +213,18 @@ def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, reque
 
 
 def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:
+    import httpx
+
+    # A few requests first, so that no server's first-use costs (compilation, graph capture) land in a point.
+    for _ in range(3):
+        httpx.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": [{"role": "user", "content": "warm up " * 64}], "max_tokens": 32})
     points = []
     work = Path(tempfile.mkdtemp(prefix="serve-sweep-"))
     for rate in rates:
         progress(f"  rate {rate}/s")
-        point = guidellm_point(url, model, tokenizer_dir, rate, args.sweep_requests, args.sweep_prompt_tokens,
+        requests = max(30, round(rate * args.sweep_seconds))
+        point = guidellm_point(url, model, tokenizer_dir, rate, requests, args.sweep_prompt_tokens,
                                args.sweep_output_tokens, work / f"rate-{rate}.json")
         points.append(point)
         print(json.dumps(point), flush=True)
@@ -211,8 +241,8 @@ def sustained(points: list[dict]) -> float:
 def run_hf_server(directory: Path, port: int) -> subprocess.Popen:
     binary = Path(sys.executable).with_name("transformers")
     process = subprocess.Popen([str(binary) if binary.exists() else "transformers", "serve", str(directory),
-                                "--continuous-batching", "--device", "cuda", "--port", str(port), "--host", "127.0.0.1",
-                                "--cb-use-cuda-graph"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--continuous-batching", "--device", "cuda", "--port", str(port), "--host", "127.0.0.1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     import httpx
 
     deadline = time.monotonic() + 600
@@ -239,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=2, help="offline/online pairs, alternating (default: %(default)s)")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests")
     parser.add_argument("--sweep", metavar="RATES", help="comma-separated request rates for the guidellm sweep")
-    parser.add_argument("--sweep-requests", type=int, default=200)
+    parser.add_argument("--sweep-seconds", type=float, default=12.0,
+                        help="requests per rate: this many seconds of arrivals (at least 30 requests)")
     parser.add_argument("--sweep-prompt-tokens", type=int, default=512)
     parser.add_argument("--sweep-output-tokens", type=int, default=256)
     parser.add_argument("--peer", choices=("hf",), help="also sweep transformers serve --continuous-batching")
@@ -273,42 +304,17 @@ def run(args: argparse.Namespace) -> int:
         results["offline"].append(offline_run(llm, prompts, params))
         progress(f"run {i + 1} of {args.runs}: over HTTP")
         results["online"].append(online_run(llm, directory, exporter, prompts, params, args.client_procs))
-    offline = statistics.median(r["tokens_per_s"] for r in results["offline"])
-    online = statistics.median(r["tokens_per_s"] for r in results["online"])
-    results["online_vs_offline"] = online / offline
-    for name in ("offline", "online"):
-        for r in results[name]:
-            print(f"  {name}: {r['tokens_per_s']:,.0f} tok/s, {r['steps']} steps, {r['step_seconds']:.2f} s in steps, "
-                  f"engine thread {r['engine_thread_cpu_s']:.2f} s CPU"
-                  + (f", server thread {r['server_thread_cpu_s']:.2f} s CPU" if name == "online" else ""))
-    print(f"{results['device']}, {results['model']}: generate() "
-          + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in results["offline"]) + " tok/s; over HTTP "
-          + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in results["online"])
-          + f" tok/s; HTTP / offline = {online / offline:.1%} (medians)")
+    if args.runs:
+        report_throughput(results)
     if args.sweep:
         rates = [float(r) for r in args.sweep.split(",")]
-        from serve.server import Server
-        from telemetry.metrics_server import listen
-
-        server = Server.for_engine(llm, directory, "bench", exporter.registry, listen("127.0.0.1", 0, backlog=4096))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        server.started.wait(60)
-        progress("sweep: glassbox")
-        results["sweep_glassbox"] = sweep(server.url, "bench", directory, rates, args)
-        server.stop()
-        thread.join(60)
-        llm.close()
-        del llm
-        torch.cuda.empty_cache()
+        results["sweep_glassbox"] = sweep_glassbox(llm, exporter, directory, rates, args)
         if args.peer == "hf":
-            progress("sweep: transformers serve")
-            peer = run_hf_server(directory, port=8111)
-            try:
-                results["sweep_hf"] = sweep("http://127.0.0.1:8111", str(directory), directory, rates, args)
-            finally:
-                peer.terminate()
-                peer.wait(30)
+            llm.close()
+            del llm  # the peer needs the GPU memory the KV pool held
+            gc.collect()
+            torch.cuda.empty_cache()
+            results["sweep_hf"] = sweep_hf(directory, rates, args)
             ours, theirs = sustained(results["sweep_glassbox"]), sustained(results["sweep_hf"])
             results["sustained_rate"] = {"glassbox": ours, "transformers": theirs}
             print(f"highest rate within TTFT p99 <= {TTFT_P99_TARGET_S:g} s: glassbox {ours:g}/s, "
@@ -317,6 +323,49 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def report_throughput(results: dict) -> None:
+    offline = statistics.median(r["tokens_per_s"] for r in results["offline"])
+    online = statistics.median(r["tokens_per_s"] for r in results["online"])
+    results["online_vs_offline"] = online / offline
+    for name in ("offline", "online"):
+        for r in results[name]:
+            print(f"  {name}: {r['tokens_per_s']:,.0f} tok/s, {r['steps']} steps ({r['prefill_steps']} prefill), "
+                  f"{r['step_seconds']:.2f} s in steps, engine thread {r['engine_thread_cpu_s']:.2f} s CPU"
+                  + (f", server thread {r['server_thread_cpu_s']:.2f} s CPU" if name == "online" else ""))
+            for batch, row in r["decode_by_batch"].items():
+                print(f"    decode {batch:>7}: " + " ".join(f"{k} {v}" for k, v in row.items()))
+    print(f"{results['device']}, {results['model']}: generate() "
+          + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in results["offline"]) + " tok/s; over HTTP "
+          + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in results["online"])
+          + f" tok/s; HTTP / offline = {online / offline:.1%} (medians)")
+
+
+def sweep_glassbox(llm, exporter, directory: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:
+    from serve.server import Server
+    from telemetry.metrics_server import listen
+
+    server = Server.for_engine(llm, directory, "bench", exporter.registry, listen("127.0.0.1", 0, backlog=4096))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    server.started.wait(60)
+    progress("sweep: glassbox")
+    try:
+        return sweep(server.url, "bench", directory, rates, args)
+    finally:
+        server.stop()
+        thread.join(60)
+
+
+def sweep_hf(directory: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:
+    progress("sweep: transformers serve")
+    peer = run_hf_server(directory, port=8111)
+    try:
+        return sweep("http://127.0.0.1:8111", str(directory), directory, rates, args)
+    finally:
+        peer.terminate()
+        peer.wait(30)
 
 
 if __name__ == "__main__":

@@ -298,14 +298,15 @@ def workload_engine(overlap: bool = True, **config) -> FakeEngine:
     return FakeEngine(overlap=overlap, **{**WORKLOAD_CONFIG, **config})
 
 
-def _tokens(n: int, salt: int) -> list[int]:
+def prompt_tokens_for(n: int, salt: int) -> list[int]:
+    """``n`` deterministic prompt tokens, distinct per ``salt``."""
     return [(salt * 131 + i * 17 + 3) % EOS for i in range(n)]  # never EOS itself
 
 
 def _stopping_prompt(prefix: list[int], salt: int, eos: int, after: int) -> list[int]:
     """``prefix`` plus own tokens after which the fake model samples ``eos`` as its ``after``-th token."""
     for extra in range(8):
-        own = _tokens(8 + extra, salt)
+        own = prompt_tokens_for(8 + extra, salt)
         for last in range(EOS):
             prompt = prefix + own[:-1] + [last]
             out: list[int] = []
@@ -333,7 +334,7 @@ def _one_round(engine: FakeEngine) -> None:
     cfg = engine.config
     bs, pool = cfg.kvcache_block_size, cfg.num_kvcache_blocks * cfg.kvcache_block_size
     salt = len(engine.all_seqs)  # every round brings new prompts
-    system = _tokens(2 * bs + bs // 2, salt)
+    system = prompt_tokens_for(2 * bs + bs // 2, salt)
     n = min(4, cfg.max_num_seqs)
     # Together they grow to about twice the pool: decoding runs out of blocks.
     final_len = min(cfg.max_model_len - 1, pool, 2 * pool // n)
@@ -342,10 +343,10 @@ def _one_round(engine: FakeEngine) -> None:
             prompt = _stopping_prompt(system, salt + i, cfg.eos, after=3)
             engine.add(prompt, max_tokens=max(4, final_len - len(prompt)), ignore_eos=False, temperature=0.7)
         else:
-            prompt = system + _tokens(8 + i, salt + i)
+            prompt = system + prompt_tokens_for(8 + i, salt + i)
             engine.add(prompt, max_tokens=max(4, final_len - len(prompt)), temperature=0.7)
     long_len = min(cfg.max_num_batched_tokens + cfg.max_num_batched_tokens // 2 + 1, cfg.max_model_len - 8, pool - 8)
-    engine.add(_tokens(long_len, salt + 5), max_tokens=8)
+    engine.add(prompt_tokens_for(long_len, salt + 5), max_tokens=8)
     try:
         engine.add([1] * (cfg.max_model_len + 1), max_tokens=4)
     except RequestRejectedError:
@@ -366,9 +367,9 @@ def mid_run_snapshot(steps: int = 8, **config) -> Snapshot:
     requests waiting, running and holding shared and cached blocks."""
     engine = workload_engine(**config)
     cfg = engine.config
-    system = _tokens(2 * cfg.kvcache_block_size + 3, 0)
+    system = prompt_tokens_for(2 * cfg.kvcache_block_size + 3, 0)
     for i in range(4):
-        engine.add(system + _tokens(8 + i, i), max_tokens=40, temperature=0.7)
+        engine.add(system + prompt_tokens_for(8 + i, i), max_tokens=40, temperature=0.7)
     for _ in range(steps):
         engine.step()
     return engine.scheduler.snapshot()

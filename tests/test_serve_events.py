@@ -13,7 +13,7 @@ import pytest
 
 from engine.events import Snapshot
 from serve.events import EventStream
-from tests.control_plane import FakeEngine, _tokens, workload_events
+from tests.control_plane import FakeEngine, prompt_tokens_for, workload_events
 from tests.servers import in_process_server
 from tui.sources import ConnectedSource, EngineError, Notice, Reset
 from tui.state import DashboardState
@@ -147,9 +147,9 @@ def test_snapshot_agrees_with_the_state_built_from_events(overlap):
     for event in engine.events:
         state.apply(event)
     seen = len(engine.events)
-    system = _tokens(40, 0)
+    system = prompt_tokens_for(40, 0)
     for i in range(6):
-        engine.add(system + _tokens(5 + i, i), max_tokens=30, temperature=0.7)
+        engine.add(system + prompt_tokens_for(5 + i, i), max_tokens=30, temperature=0.7)
     for step in range(12):
         engine.step()
         state.apply_all(engine.events[seen:])

@@ -487,15 +487,55 @@ def test_live_engine_keys_pause_step_rate_workload_burst_and_quit(tiny_checkpoin
     assert not source.live.running, "the engine thread outlived the app by more than a second"
 
 
+def test_connected_to_a_server_it_shows_the_served_engine_and_hides_the_workload_keys(tiny_checkpoint):
+    """`python -m tui --connect URL`: the clients are the workload, nothing here can step the engine."""
+    import threading
+
+    import httpx
+
+    from tests.servers import in_process_server
+    from tui.sources import ConnectedSource
+
+    with in_process_server(tiny_checkpoint, num_kvcache_blocks=48) as server:
+        source = ConnectedSource(server.url)
+        app = DashboardApp(source)
+
+        def traffic() -> None:
+            for i in range(6):
+                httpx.post(server.url + "/v1/completions", json={"prompt": f"hello {i} " * 20, "max_tokens": 24,
+                                                                "ignore_eos": True}, timeout=60)
+
+        async def go():
+            async with app.run_test(size=(100, 30)) as pilot:
+                await wait_for(pilot, lambda: source.phase == "live" and app.state.engine is not None)
+                assert app.state.engine.num_blocks == 48
+                sender = threading.Thread(target=traffic)
+                sender.start()
+                await wait_for(pilot, lambda: app.state.num_finished == 6, timeout=60)
+                sender.join(30)
+                header = screen(app)[0]
+                assert "connected" in header and server.url.split("://")[1] in header
+                footer = screen(app)[-1]
+                assert "Quit" in footer and not any(key in footer for key in ("Step", "Burst", "Workload", "Rate"))
+                await pilot.press("space", "b", "n")  # no-ops: the server's engine runs on
+                await pilot.press("q")
+
+        run(go())
+    assert source.phase in ("retrying", "live")
+
+
 def test_command_line():
     parser = make_parser()
     help_text = parser.format_help()
     for option in ("--model", "--preset", "--workload", "--rate", "--metrics-port", "--otlp-endpoint", "--record",
-                   "--replay", "--block-size", "--num-blocks"):
+                   "--replay", "--connect", "--api-key", "--block-size", "--num-blocks"):
         assert option in help_text
     args = parser.parse_args([])
     assert (args.preset, args.workload, args.block_size, args.num_blocks) == ("tiny", "mixed", 16, 160)
-    with pytest.raises(SystemExit):
-        from tui.__main__ import main
+    from tui.__main__ import main
 
-        main(["--replay", str(RECORDING), "--record", "x.jsonl"])
+    for argv in (["--replay", str(RECORDING), "--record", "x.jsonl"], ["--connect", "http://127.0.0.1:1", "--replay", "x"],
+                 ["--connect", "127.0.0.1:8000"], ["--connect", "http://127.0.0.1:1", "--metrics-port", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2, argv
