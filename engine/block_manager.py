@@ -5,11 +5,16 @@ equal prefixes, not just equal blocks; the stored token ids guard against collis
 block keeps its hash and stays a cache hit until the free pool hands it out again ("lazy eviction").
 The pool is ordered so that empty blocks are reused before cached ones, and cached ones in the order
 they were released (least recently used first).
+
+With a host tier (``engine.host_tier``) the manager also names the blocks worth copying down: every
+block that enters the cache (write-through) or every cache entry it evicts (write-back), collected in
+``offload_candidates`` for the tier to take once per step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -21,30 +26,45 @@ NO_HASH = -1
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
+        self.parent_hash = NO_HASH  # the hash its own chains from, for the host tier's events
         self.token_ids: list[int] = []
 
-    def update(self, hash_: int, token_ids: list[int]) -> None:
+    def update(self, hash_: int, parent_hash: int, token_ids: list[int]) -> None:
         self.hash = hash_
+        self.parent_hash = parent_hash
         self.token_ids = token_ids
 
     def reset(self) -> None:
         self.ref_count = 1
         self.hash = NO_HASH
+        self.parent_hash = NO_HASH
         self.token_ids = []
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
 
 
+@dataclass(frozen=True, slots=True)
+class OffloadCandidate:
+    """A cached GPU block the host tier may copy down: which block, what it held then, and (while
+    a request still holds it) which request computed it."""
+
+    block_id: int
+    hash: int
+    parent_hash: int
+    token_ids: list[int]
+    request_id: int | None
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, offload_policy: str | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventBus()
@@ -52,6 +72,9 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        # "write-through", "write-back" or None (no host tier, or no hashes to key it by).
+        self.offload_policy = offload_policy if enable_prefix_caching else None
+        self.offload_candidates: list[OffloadCandidate] = []
 
     @property
     def num_blocks(self) -> int:
@@ -81,6 +104,10 @@ class BlockManager:
         if self.is_cache_entry(block):
             del self.hash_to_block_id[block.hash]
             evicted.append((block_id, block.hash))
+            if self.offload_policy == "write-back":
+                # Its copy is gathered before the step that overwrites it (the same stream orders them).
+                self.offload_candidates.append(
+                    OffloadCandidate(block_id, block.hash, block.parent_hash, block.token_ids, None))
         block.reset()
         self.used_block_ids.add(block_id)
         return block_id
@@ -88,7 +115,7 @@ class BlockManager:
     def _emit_evictions(self, evicted: list[tuple[int, int]]) -> None:
         if self.events.active:
             for block_id, hash_ in evicted:
-                self.events.emit(BlockEvict, block_id=block_id, hash=hash_)
+                self.events.emit(BlockEvict, block_id=block_id, hash=hash_, medium="GPU")
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of the first ``num_blocks`` full blocks of ``seq``, each computed once
@@ -140,7 +167,7 @@ class BlockManager:
         self._emit_evictions(evicted)
         if self.events.active:
             self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=tuple(seq.block_table),
-                             refcounts=tuple(self.blocks[b].ref_count for b in seq.block_table))
+                             refcounts=tuple(self.blocks[b].ref_count for b in seq.block_table), medium="GPU")
             self.events.emit(PrefixHit, request_id=seq.seq_id, query_tokens=seq.num_tokens,
                              hit_tokens=seq.num_cached_tokens, hit_block_ids=tuple(hit_block_ids))
 
@@ -164,7 +191,7 @@ class BlockManager:
                 freed += 1
         if self.events.active and block_ids:
             self.events.emit(BlockFree, request_id=seq.seq_id, block_ids=block_ids,
-                             refcounts=tuple(self.blocks[b].ref_count for b in block_ids))
+                             refcounts=tuple(self.blocks[b].ref_count for b in block_ids), medium="GPU")
         return freed
 
     def uncache(self, seq: Sequence) -> None:
@@ -184,7 +211,8 @@ class BlockManager:
         forgotten = [(block_id, hash_) for hash_, block_id in self.hash_to_block_id.items()]
         self.hash_to_block_id.clear()
         for block_id, _ in forgotten:
-            self.blocks[block_id].update(NO_HASH, [])
+            self.blocks[block_id].update(NO_HASH, NO_HASH, [])
+        self.offload_candidates.clear()
         self._emit_evictions(forgotten)
         return len(forgotten)
 
@@ -199,7 +227,7 @@ class BlockManager:
             seq.block_table.append(block_id)
             self._emit_evictions(evicted)
             if self.events.active:
-                self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=(block_id,), refcounts=(1,))
+                self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=(block_id,), refcounts=(1,), medium="GPU")
 
     def hash_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
         """Register the blocks that ``num_new_tokens`` newly computed tokens (prompt or generated)
@@ -213,15 +241,19 @@ class BlockManager:
         hashes = self._block_hashes(seq, end)
         parent = hashes[start - 1] if start > 0 else NO_HASH
         stored_ids, stored_hashes = [], []
+        write_through = self.offload_policy == "write-through"
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             h = hashes[i]
-            block.update(h, seq.block(i))
+            block.update(h, hashes[i - 1] if i > 0 else NO_HASH, seq.block(i))
             # The first block to compute a prefix owns the cache entry; a twin computed in the same
             # step (identical prompts admitted together) keeps its hash for chaining but stays private.
             if self.hash_to_block_id.setdefault(h, block.block_id) == block.block_id:
                 stored_ids.append(block.block_id)
                 stored_hashes.append(h)
+                if write_through:
+                    self.offload_candidates.append(
+                        OffloadCandidate(block.block_id, h, block.parent_hash, block.token_ids, seq.seq_id))
         if self.events.active and stored_ids:
             self.events.emit(BlockStored, request_id=seq.seq_id, block_ids=tuple(stored_ids),
-                             hashes=tuple(stored_hashes), parent_hash=parent)
+                             hashes=tuple(stored_hashes), parent_hash=parent, medium="GPU")

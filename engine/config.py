@@ -24,6 +24,8 @@ def is_power_of_two(n: int) -> bool:
 
 
 _DEVICES = ("cpu", "cuda")
+OFFLOADING_POLICIES = ("write-through", "write-back")
+PREEMPTION_MODES = ("recompute", "swap")
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -50,6 +52,19 @@ class Config:
     enable_prefix_caching: bool = True
     # Seeds the sampler's random stream (and nothing else).
     seed: int = 0
+    # The host KV tier (engine.host_tier): its size in GiB (vLLM's --kv-offloading-size) or in blocks
+    # (exact, for tests); 0 turns it off. The engine fills in num_host_kvcache_blocks from the size.
+    kv_offloading_size: float = 0.0
+    num_host_kvcache_blocks: int = 0
+    kv_offloading_policy: str = "write-through"
+    # Blocks of GPU staging for stores to the host tier (copies wait there for the link); -1: 256 MiB.
+    kv_offloading_staging_blocks: int = -1
+    # What a preempted request loses: recompute (its K/V is dropped) or swap (kept in the host tier).
+    preemption_mode: str = "recompute"
+
+    @property
+    def host_tier_enabled(self) -> bool:
+        return self.kv_offloading_size > 0 or self.num_host_kvcache_blocks > 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
@@ -71,3 +86,24 @@ class Config:
                  f"must be None (auto) or one of {', '.join(_DEVICES)} (optionally 'cuda:N')")
         _require(self.dtype is None or self.dtype in _DTYPES, "dtype", self.dtype,
                  f"must be None (auto) or one of {', '.join(_DTYPES)}")
+        _require(self.kv_offloading_size >= 0, "kv_offloading_size", self.kv_offloading_size,
+                 "must be a size in GiB, 0 for no host tier")
+        _require(self.num_host_kvcache_blocks >= 0, "num_host_kvcache_blocks", self.num_host_kvcache_blocks,
+                 "must be a number of blocks, 0 for no host tier")
+        if self.kv_offloading_size > 0 and self.num_host_kvcache_blocks > 0:
+            raise ConfigError(
+                f"kv_offloading_size={self.kv_offloading_size} and num_host_kvcache_blocks="
+                f"{self.num_host_kvcache_blocks} both size the host tier: give one of them")
+        _require(self.kv_offloading_policy in OFFLOADING_POLICIES, "kv_offloading_policy",
+                 self.kv_offloading_policy, f"must be one of {', '.join(OFFLOADING_POLICIES)}")
+        _require(self.kv_offloading_staging_blocks == -1 or self.kv_offloading_staging_blocks >= 1,
+                 "kv_offloading_staging_blocks", self.kv_offloading_staging_blocks,
+                 "must be -1 (256 MiB) or at least 1")
+        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+                 f"must be one of {', '.join(PREEMPTION_MODES)}")
+        _require(self.preemption_mode != "swap" or self.host_tier_enabled, "preemption_mode",
+                 self.preemption_mode, "swap needs the host tier: give kv_offloading_size (GiB) or "
+                 "num_host_kvcache_blocks too")
+        _require(self.tensor_parallel_size == 1 or not self.host_tier_enabled, "tensor_parallel_size",
+                 self.tensor_parallel_size, "the host KV tier does not run with tensor parallelism yet: "
+                 "use one of them")

@@ -28,7 +28,12 @@ logger = logging.getLogger(__name__)
 # ``last_token`` (``last_scheduled`` is gone); ``request_rejected`` has a reason ``code``.
 # Version 3: ``engine_started`` has ``gpu_memory_utilization``; ``request_arrived`` has ``top_p``,
 # ``top_k``, the client's request id and its W3C trace context; ``snapshot`` is new.
-SCHEMA_VERSION = 3
+# Version 4, the host KV tier: block events have a ``medium`` (``GPU``/``CPU``); ``host_hit``, ``swap_in``
+# and ``kv_transfer`` are new; ``preempt`` has its ``mode`` and the host blocks a swap went to;
+# ``engine_started`` has the tier's size and policies; ``request_finished`` has ``host_cached_tokens``
+# (``cached_tokens`` counts them too, as vLLM's); ``step`` has ``loading`` and ``free_cpu_blocks``;
+# ``snapshot`` has the state ``loading`` and the host blocks.
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,11 @@ class EngineStarted(Event):
     enforce_eager: bool
     tensor_parallel_size: int
     gpu_memory_utilization: float
+    # The host KV tier: 0 blocks when off; the size as given in GiB (None when given in blocks).
+    num_cpu_blocks: int
+    kv_offloading_size: float | None
+    kv_offloading_policy: str  # write-through or write-back
+    preemption_mode: str  # recompute or swap
     # Wall-clock time (seconds since the epoch) taken together with ``t``: epoch = wall_time + (x - t).
     wall_time: float
 
@@ -99,9 +109,13 @@ class RequestRejected(Event):
     code: str  # one of REJECTION_CODES
 
 
+# Where a block lives, in vLLM's KV-event words.
+MEDIA = ("GPU", "CPU")
+
+
 @_event("prefix_hit")
 class PrefixHit(Event):
-    """One per admission from waiting, misses included (``hit_tokens == 0``)."""
+    """One per admission from waiting, misses included (``hit_tokens == 0``): the GPU prefix cache."""
 
     request_id: int
     query_tokens: int
@@ -109,28 +123,44 @@ class PrefixHit(Event):
     hit_block_ids: tuple[int, ...]
 
 
+@_event("host_hit")
+class HostHit(Event):
+    """An admission that found blocks beyond its GPU prefix hit in the host tier: they are copied
+    into ``gpu_block_ids`` and the request waits for them (state ``loading``)."""
+
+    request_id: int
+    hit_tokens: int
+    cpu_block_ids: tuple[int, ...]
+    gpu_block_ids: tuple[int, ...]
+
+
 @_event("block_alloc")
 class BlockAlloc(Event):
     """Blocks whose refcount rose for a request, with the new refcounts.
 
-    Covers fresh blocks from the free pool (refcount 1), cached free blocks brought back by a
-    prefix hit (refcount 1) and cached blocks shared with running requests (refcount > 1)."""
+    On the GPU: fresh blocks from the free pool (refcount 1), cached free blocks brought back by a
+    prefix hit (refcount 1) and cached blocks shared with running requests (refcount > 1). On the
+    CPU: the host blocks a swapped-out request holds."""
 
     request_id: int
     block_ids: tuple[int, ...]
     refcounts: tuple[int, ...]
+    medium: str  # one of MEDIA
 
 
 @_event("block_stored")
 class BlockStored(Event):
-    """Blocks that became full, were hashed and entered the prefix cache (vLLM ``BlockStored``).
+    """Blocks that entered a prefix cache (vLLM ``BlockStored``): on the GPU, blocks that became full
+    (or were loaded from the host tier) and were hashed; on the CPU, host blocks whose copy landed.
 
-    ``parent_hash`` is the hash of the block before the first one here, -1 at a sequence's start."""
+    ``parent_hash`` is the hash of the block before the first one here, -1 at a sequence's start.
+    ``request_id`` is None for a host store of a block no request holds any more (write-back)."""
 
-    request_id: int
+    request_id: int | None
     block_ids: tuple[int, ...]
     hashes: tuple[int, ...]
     parent_hash: int
+    medium: str
 
 
 @_event("block_evict")
@@ -139,6 +169,7 @@ class BlockEvict(Event):
 
     block_id: int
     hash: int
+    medium: str
 
 
 @_event("block_free")
@@ -148,6 +179,7 @@ class BlockFree(Event):
     request_id: int
     block_ids: tuple[int, ...]
     refcounts: tuple[int, ...]
+    medium: str
 
 
 @_event("schedule")
@@ -169,6 +201,40 @@ class Preempt(Event):
     freed_blocks: int
     # The request whose decode needed a block; equal to request_id when a request gave way to itself.
     for_request_id: int
+    # "swap": its K/V went to ``cpu_block_ids`` and comes back by a load; "recompute": it is dropped.
+    mode: str
+    cpu_block_ids: tuple[int, ...]
+
+
+@_event("swap_in")
+class SwapIn(Event):
+    """A swapped-out request re-admitted: its K/V is copied back into ``gpu_block_ids`` and it waits
+    for it (state ``loading``); ``num_tokens`` of its tokens are not recomputed."""
+
+    request_id: int
+    num_tokens: int
+    cpu_block_ids: tuple[int, ...]
+    gpu_block_ids: tuple[int, ...]
+
+
+# vLLM's transfer_type label values, and why a copy was made.
+TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")
+TRANSFER_REASONS = ("write-through", "write-back", "swap-out", "load", "swap-in")
+
+
+@_event("kv_transfer")
+class KVTransfer(Event):
+    """A copy between the GPU pool and the host tier that landed. ``issued`` is when it was handed
+    to the copy engine (``perf_counter`` seconds); ``seconds`` is the device time of its copies."""
+
+    transfer_type: str  # one of TRANSFER_TYPES
+    reason: str  # one of TRANSFER_REASONS
+    request_id: int | None  # None for a write-back store
+    gpu_block_ids: tuple[int, ...]
+    cpu_block_ids: tuple[int, ...]
+    num_bytes: int
+    issued: float
+    seconds: float
 
 
 @_event("step")
@@ -191,6 +257,8 @@ class Step(Event):
     waiting: int
     running: int
     free_blocks: int
+    loading: int  # requests waiting for their K/V from the host tier (also counted in waiting)
+    free_cpu_blocks: int  # host blocks no copy and no swapped-out request holds (0 without a tier)
 
 
 @_event("tokens")
@@ -224,7 +292,9 @@ class RequestFinished(Event):
     request_id: int
     reason: str  # "stop", "length", "abort" or "error"
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache at first admission
+    # Prompt tokens not computed at first admission: GPU prefix hits plus host-tier hits (vLLM's).
+    cached_tokens: int
+    host_cached_tokens: int  # of which loaded from the host tier
     output_tokens: int
     num_preemptions: int
     arrival: float
@@ -236,16 +306,17 @@ class RequestFinished(Event):
 
 
 
-# Request states in a snapshot: waiting (never admitted), preempted (waiting again), prefill (admitted,
-# prompt not yet computed; a chunked one may still be in waiting), decode.
-SNAPSHOT_STATES = ("waiting", "preempted", "prefill", "decode")
+# Request states in a snapshot: waiting (never admitted), preempted (waiting again), loading (its K/V
+# coming from the host tier), prefill (admitted, prompt not yet computed; a chunked one may still be in
+# waiting), decode.
+SNAPSHOT_STATES = ("waiting", "preempted", "loading", "prefill", "decode")
 
 
 @_event("snapshot")
 class Snapshot(Event):
     """The engine's state between two steps, for a consumer that joins a running engine: every
-    request in ``waiting`` then ``running`` order (parallel tuples) and every KV block. Never
-    emitted on the bus; the events after it apply on top of it."""
+    request in ``waiting``, ``loading`` then ``running`` order (parallel tuples) and every KV block
+    of both tiers. Never emitted on the bus; the events after it apply on top of it."""
 
     request_ids: tuple[int, ...]
     states: tuple[str, ...]  # one of SNAPSHOT_STATES
@@ -257,6 +328,12 @@ class Snapshot(Event):
     num_preemptions: tuple[int, ...]
     refcounts: tuple[int, ...]  # per block
     cached: tuple[bool, ...]  # per block: it is a prefix-cache entry (a hit can reuse it)
+    # Per host block, as the block events tell it: swapped-out requests holding it, loads in flight
+    # reading it, whether it is a landed prefix-cache entry; and the GPU blocks loads are writing.
+    cpu_refcounts: tuple[int, ...]
+    cpu_reading: tuple[int, ...]
+    cpu_cached: tuple[bool, ...]
+    loading_block_ids: tuple[int, ...]
 
 
 _field_names: dict[type[Event], tuple[str, ...]] = {}

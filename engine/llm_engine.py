@@ -3,8 +3,10 @@
 ``step()`` is one iteration of continuous batching: schedule, launch the model, postprocess. With
 ``async_scheduling`` (the default) a step's postprocessing waits until the next step is launched:
 the host schedules and prepares step n+1 while the GPU computes step n, and the tokens of step n
-reach step n+1's inputs on the GPU. Every decision along the way is published on
-``self.events``; the engine itself never formats, exports or stores telemetry.
+reach step n+1's inputs on the GPU. With a host KV tier each step also hands the copies that landed
+to the scheduler before it schedules, and the copies its decisions need to the runner before the
+launch. Every decision along the way is published on ``self.events``; the engine itself never
+formats, exports or stores telemetry.
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
                 enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
-                gpu_memory_utilization=config.gpu_memory_utilization, wall_time=time.time())
+                gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
+                kv_offloading_size=config.kv_offloading_size or None,
+                kv_offloading_policy=config.kv_offloading_policy, preemption_mode=config.preemption_mode,
+                wall_time=time.time())
             if self.model_runner.uses_cudagraphs:
                 # Every rank captures: the collectives are inside the graphs, so every rank replays.
                 if self.tp_group is None:
@@ -214,11 +219,18 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix, so that a rerun of the same prompts computes them again (no
-        request may be in the engine); returns how many blocks were forgotten."""
+        """Forget every cached prefix, in both tiers, so that a rerun of the same prompts computes them
+        again (no request may be in the engine); returns how many blocks were forgotten."""
         if not self.is_finished():
             raise RuntimeError("requests are still in the engine: reset the prefix cache when it is idle")
-        return self.scheduler.block_manager.reset_prefix_cache()
+        forgotten = self.scheduler.block_manager.reset_prefix_cache()
+        offload = self.model_runner.offload
+        if offload is not None:
+            with self.events.held():
+                self.scheduler.complete_transfers(offload.drain())
+                forgotten += self.scheduler.host_tier.reset()
+            self.events.publish()
+        return forgotten
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
@@ -244,7 +256,13 @@ class LLMEngine:
     def _step(self) -> tuple[list[tuple[int, list[int]]], int]:
         start = time.perf_counter()
         self.events.step += 1
+        offload = self.model_runner.offload
+        if offload is not None:
+            self.scheduler.complete_transfers(offload.poll())
         batch = self.scheduler.schedule()
+        if offload is not None:
+            # Before the launch: a store's gather must precede the step that may reuse its blocks.
+            offload.submit(self.scheduler.take_transfers())
         schedule_s = time.perf_counter() - start
         previous, self._in_flight = self._in_flight, None
         if batch:
@@ -262,6 +280,8 @@ class LLMEngine:
             finished += self._complete(current)
         outputs = self._retire(finished)
         if not batch:
+            if previous is None and offload is not None and not self.scheduler.is_finished():
+                offload.wait()  # nothing to compute until a copy lands
             return outputs, 0
         return outputs, sum(batch.num_tokens) if batch.is_prefill else -len(batch.seqs)
 
@@ -323,8 +343,9 @@ class LLMEngine:
                 duration_s=end - max(step.start, self._last_completion), schedule_s=step.schedule_s,
                 prepare_s=launched.prepare_s, launch_s=launched.launch_s, wait_s=launched.wait_s,
                 postprocess_s=end - t, padded_batch_size=launched.padded_batch_size,
-                waiting=len(scheduler.waiting), running=len(scheduler.running),
-                free_blocks=scheduler.block_manager.num_free_blocks)
+                waiting=len(scheduler.waiting) + len(scheduler.loading), running=len(scheduler.running),
+                free_blocks=scheduler.block_manager.num_free_blocks, loading=len(scheduler.loading),
+                free_cpu_blocks=scheduler.free_cpu_blocks)
         self._last_completion = end
         return finished
 

@@ -2,7 +2,8 @@
 
 One runner per tensor-parallel rank; rank 0 samples and broadcasts the sampled ids. The runner
 owns the KV pool: one tensor ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` whose
-per-layer views are handed to the attention layers. Per step it turns the scheduler's sequences
+per-layer views are handed to the attention layers; with a host KV tier, also the host pool and the
+copies between the two (``offload``, an ``engine.kv_transfer.OffloadingHandler``). Per step it turns the scheduler's sequences
 into a flat token batch plus the attention metadata (``models.context``), launches the forward and
 the sampler without waiting for them, and hands back a ``LaunchedStep`` whose ``token_ids()`` waits.
 
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 from engine.config import Config
 from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
+from engine.kv_transfer import OffloadingHandler, store_staging_blocks
 from engine.sequence import Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
@@ -114,6 +116,7 @@ class ModelRunner:
         self.backend = select_attention_backend(self.device, self.block_size)
         set_attention_backend(self.model, self.backend)
         self.sampler = Sampler(config.seed)
+        self.offload: OffloadingHandler | None = None
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # Inference tensors, like every tensor a step makes (steps run in inference mode).
@@ -155,7 +158,13 @@ class ModelRunner:
         used = total - free
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
         available = int(total * self.config.gpu_memory_utilization) - used - peak + current
-        return available // self.block_bytes
+        return (available - self._staging_bytes()) // self.block_bytes
+
+    def _staging_bytes(self) -> int:
+        """GPU memory the host tier's copies need beside the pool (none without a tier)."""
+        if not self.config.host_tier_enabled:
+            return 0
+        return (self.config.kv_offloading_staging_blocks + OffloadingHandler.load_slots(self.block_bytes)) * self.block_bytes
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -176,6 +185,15 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         config = self.config
+        if config.host_tier_enabled:
+            if config.kv_offloading_staging_blocks == -1:
+                config.kv_offloading_staging_blocks = store_staging_blocks(self.block_bytes)
+            if config.kv_offloading_size > 0:
+                config.num_host_kvcache_blocks = int(config.kv_offloading_size * 2**30) // self.block_bytes
+                if config.num_host_kvcache_blocks < 1:
+                    raise RuntimeError(
+                        f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block of "
+                        f"{self.block_bytes / 2**20:.1f} MiB: give the host tier at least that much")
         if config.num_kvcache_blocks == -1:
             num_blocks = self._blocks_that_fit()
             if config.tensor_parallel_size > 1:
@@ -196,6 +214,9 @@ class ModelRunner:
         for i, layer in enumerate(attention_layers(self.model)):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+        if config.host_tier_enabled:
+            self.offload = OffloadingHandler(self.kv_cache, config.num_host_kvcache_blocks,
+                                             config.kv_offloading_staging_blocks)
 
     # --- inputs -------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.config import Config, ConfigError
+from engine.config import OFFLOADING_POLICIES, PREEMPTION_MODES, Config, ConfigError
 from models.errors import CheckpointError
 
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
@@ -45,6 +45,17 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no host/GPU overlap)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    tier = g.add_mutually_exclusive_group()
+    tier.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                      help="a host KV tier of this many GiB (pinned memory on CUDA); 0: none (default: %(default)s)")
+    tier.add_argument("--num-host-kvcache-blocks", type=int, default=0, metavar="N",
+                      help="a host KV tier of exactly N blocks (default: none)")
+    g.add_argument("--kv-offloading-policy", choices=OFFLOADING_POLICIES, default="write-through",
+                   help="when blocks are copied to the host tier: as they fill (write-through) or as the GPU "
+                        "evicts them (write-back) (default: %(default)s)")
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
+                   help="what a preempted request's K/V becomes: recomputed later, or swapped to the host "
+                        "tier (default: %(default)s)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
     parser.set_defaults(**defaults)
 
@@ -160,7 +171,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_waiting_requests=args.max_waiting_requests,
                 enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                 enable_prefix_caching=not args.no_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, kv_offloading_size=args.kv_offloading_size,
+                num_host_kvcache_blocks=args.num_host_kvcache_blocks,
+                kv_offloading_policy=args.kv_offloading_policy, preemption_mode=args.preemption_mode)
 
 
 def build_llm(args: argparse.Namespace):

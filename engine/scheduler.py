@@ -4,8 +4,14 @@ Prefill first: waiting requests are admitted FCFS while ``max_num_seqs`` and the
 allow, prefix-cache hits discounted from the work; the first admitted request of a step may be
 chunked when its prompt exceeds the budget, and joins ``running`` only after its last chunk. With
 nothing to prefill, every running request decodes one token; when the pool runs out, the youngest
-running request is preempted (its blocks freed, its K/V to be recomputed) and goes to the front of
-the waiting queue. Prefill and decode never share a step.
+running request is preempted (its blocks freed, its K/V to be recomputed, or with
+``preemption_mode="swap"`` copied to the host tier) and goes to the front of the waiting queue.
+Prefill and decode never share a step.
+
+With a host KV tier (``engine.host_tier``) an admission whose cached prefix continues in host memory,
+or a swapped-out request coming back, is given its blocks and waits in ``loading`` while they are
+copied in; ``complete_transfers`` puts it back at the front of the queue once they have landed,
+to be scheduled for the rest of its prompt.
 
 A step's results may land after the next step is scheduled (the engine's asynchronous scheduling):
 ``expect_tokens`` stands a placeholder in for each token a launched step samples, so lengths and
@@ -18,12 +24,24 @@ device); a decode step's, whose input may itself have been a placeholder, when i
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import Config
-from engine.events import EventBus, FirstToken, Preempt, RequestArrived, RequestFinished, Schedule, Snapshot, Tokens
+from engine.events import (
+    EventBus,
+    FirstToken,
+    HostHit,
+    Preempt,
+    RequestArrived,
+    RequestFinished,
+    Schedule,
+    Snapshot,
+    SwapIn,
+    Tokens,
+)
+from engine.host_tier import HostTier, TransferResult, TransferSpec
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
@@ -64,13 +82,21 @@ class Scheduler:
         self.max_waiting_requests = config.max_waiting_requests
         self.eos = config.eos
         self.events = events or EventBus()
-        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching, self.events)
+        self.host_tier: HostTier | None = None
+        if config.num_host_kvcache_blocks > 0:
+            assert config.kv_offloading_staging_blocks > 0, "the store staging must be sized before the scheduler is built"
+            self.host_tier = HostTier(config.num_host_kvcache_blocks, config.kvcache_block_size,
+                                      config.kv_offloading_staging_blocks, self.events)
+        self.block_manager = BlockManager(
+            config.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching, self.events,
+            offload_policy=config.kv_offloading_policy if self.host_tier is not None else None)
+        self.swap = config.preemption_mode == "swap"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE_KVS, in admission order
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.loading
 
     def max_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most tokens a request can ever hold in the cache: the last sampled token is never fed
@@ -117,16 +143,27 @@ class Scheduler:
 
     def snapshot(self) -> Snapshot:
         """Every request and block as they stand (between steps), for a consumer joining late."""
-        seqs = [*self.waiting, *self.running]
+        seqs = [*self.waiting, *self.loading, *self.running]
         states = []
         for seq in self.waiting:
             if seq.block_table:
-                states.append("prefill")  # a chunked prompt part-way through
+                states.append("prefill")  # a chunked prompt part-way through, or one loaded
             else:
                 states.append("preempted" if seq.num_preemptions else "waiting")
+        states += ["loading"] * len(self.loading)
         # A running request is in prefill until its prompt's token lands (a launched prefill's is in flight).
         states += ["prefill" if seq.is_prefill and seq.last_token == PLACEHOLDER else "decode" for seq in self.running]
         bm = self.block_manager
+        tier = self.host_tier
+        host = tier.blocks if tier is not None else []
+        reading, writing = Counter(), Counter()
+        loading_block_ids = []
+        for job in tier.jobs.values() if tier is not None else ():
+            if not job.spec.store:
+                reading.update(job.spec.cpu_block_ids)
+                loading_block_ids += job.spec.gpu_block_ids
+            elif job.swap is None:
+                writing.update(job.spec.cpu_block_ids)  # a cache store: not shown until it lands
         return Snapshot(
             t=time.perf_counter(), step=self.events.step, request_ids=tuple(s.seq_id for s in seqs),
             states=tuple(states), prompt_tokens=tuple(s.num_prompt_tokens for s in seqs),
@@ -134,7 +171,11 @@ class Scheduler:
             cached_tokens=tuple(s.num_prompt_cached_tokens for s in seqs),
             output_tokens=tuple(s.num_known_tokens - s.num_prompt_tokens for s in seqs),
             num_preemptions=tuple(s.num_preemptions for s in seqs),
-            refcounts=tuple(b.ref_count for b in bm.blocks), cached=tuple(bm.is_cache_entry(b) for b in bm.blocks))
+            refcounts=tuple(b.ref_count for b in bm.blocks), cached=tuple(bm.is_cache_entry(b) for b in bm.blocks),
+            cpu_refcounts=tuple(b.ref_count - reading[b.block_id] - writing[b.block_id] for b in host),
+            cpu_reading=tuple(reading[b.block_id] for b in host),
+            cpu_cached=tuple(b.ready and tier.is_cache_entry(b) for b in host),
+            loading_block_ids=tuple(loading_block_ids))
 
     def schedule(self) -> ScheduledBatch:
         """The batch for the next step; an empty batch means idle."""
@@ -149,11 +190,21 @@ class Scheduler:
             continuing = bool(seq.block_table)
             if continuing:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
+            elif seq.swapped is not None:
+                # Its K/V comes back from the host tier, once the copy that took it there has landed.
+                if not seq.swapped.landed or not bm.can_allocate(seq, []):
+                    break
+                self._swap_in(seq)
+                continue
             else:
                 hit_block_ids = bm.cached_prefix(seq)
                 if not bm.can_allocate(seq, hit_block_ids):
                     break
                 num_tokens = seq.num_tokens - len(hit_block_ids) * bm.block_size
+                host_hit_ids = self._host_hits(seq, len(hit_block_ids))
+                if host_hit_ids:
+                    self._load_prefix(seq, hit_block_ids, host_hit_ids, now)
+                    continue
             # Only the first request of a step may be cut short: later ones wait for a whole budget.
             if budget < num_tokens and scheduled:
                 break
@@ -167,7 +218,9 @@ class Scheduler:
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             partial = seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens
-            chunked.append(partial or continuing)
+            # The rest of a prompt after a load is not a chunk of one: nothing of it was computed yet.
+            chunked.append(partial or (continuing and not seq.loaded))
+            seq.loaded = False
             if partial:
                 break
             self.waiting.popleft()
@@ -195,6 +248,87 @@ class Scheduler:
             self._emit_schedule("decode", scheduled, [False] * len(scheduled))
         return ScheduledBatch(scheduled, False, [1] * len(scheduled))
 
+    # --- the host tier -------------------------------------------------------------------------
+
+    def _host_hits(self, seq: Sequence, start: int) -> list[int]:
+        """Host blocks continuing ``seq``'s GPU prefix hit of ``start`` blocks (never its last
+        token's block, as ``cached_prefix``)."""
+        if self.host_tier is None or not self.block_manager.enable_prefix_caching:
+            return []
+        return self.host_tier.lookup(seq, start, (seq.num_tokens - 1) // self.block_manager.block_size)
+
+    def _start_loading(self, seq: Sequence, job_id: int) -> None:
+        self.waiting.popleft()
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        seq.load_job = job_id
+        self.loading.append(seq)
+
+    def _load_prefix(self, seq: Sequence, hit_block_ids: list[int], host_hit_ids: list[int], now: float) -> None:
+        """Admit ``seq`` with its GPU prefix hit and have the host hit copied in after it."""
+        bm = self.block_manager
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+            seq.num_prompt_cached_tokens = (len(hit_block_ids) + len(host_hit_ids)) * bm.block_size
+            seq.num_prompt_host_tokens = len(host_hit_ids) * bm.block_size
+        bm.allocate(seq, hit_block_ids)
+        gpu_block_ids = seq.block_table[len(hit_block_ids):len(hit_block_ids) + len(host_hit_ids)]
+        self._start_loading(seq, self.host_tier.load(seq, host_hit_ids, gpu_block_ids, "load"))
+        if self.events.active:
+            self.events.emit(HostHit, request_id=seq.seq_id, hit_tokens=len(host_hit_ids) * bm.block_size,
+                             cpu_block_ids=tuple(host_hit_ids), gpu_block_ids=tuple(gpu_block_ids))
+
+    def _swap_in(self, seq: Sequence) -> None:
+        """Re-admit a swapped-out request: fresh blocks, its K/V copied back into the first ones."""
+        entry = seq.swapped
+        self.block_manager.allocate(seq, [])
+        gpu_block_ids = seq.block_table[:len(entry.cpu_block_ids)]
+        self._start_loading(seq, self.host_tier.load(seq, entry.cpu_block_ids, gpu_block_ids, "swap-in"))
+        if self.events.active:
+            self.events.emit(SwapIn, request_id=seq.seq_id, num_tokens=entry.num_tokens,
+                             cpu_block_ids=tuple(entry.cpu_block_ids), gpu_block_ids=tuple(gpu_block_ids))
+
+    @property
+    def free_cpu_blocks(self) -> int:
+        """Host blocks holding nothing (0 without a host tier)."""
+        return 0 if self.host_tier is None else self.host_tier.num_blocks - self.host_tier.num_used_blocks
+
+    def take_transfers(self) -> list[TransferSpec]:
+        """The copies this step's decisions need, for the engine to start before the step launches."""
+        return self.host_tier.take_transfers(self.block_manager)
+
+    def complete_transfers(self, results: list[TransferResult]) -> None:
+        """Apply copies that landed. A loaded request's blocks join the GPU cache and it goes back to
+        the front of the queue (in admission order), to be scheduled for the rest of its prompt."""
+        if not results:
+            return
+        bm, tier = self.block_manager, self.host_tier
+        landed = []
+        for job in tier.complete(results):
+            seq = job.request
+            if job.spec.store:
+                continue
+            if job.cancelled:  # aborted while loading: its blocks waited for this copy to land
+                bm.deallocate(seq)
+                if seq.swapped is not None:
+                    tier.release_swap(seq, seq.swapped)
+                continue
+            if seq.swapped is not None:
+                num_tokens = seq.swapped.num_tokens
+                tier.release_swap(seq, seq.swapped)
+                seq.swapped = None
+            else:
+                num_tokens = len(job.spec.gpu_block_ids) * bm.block_size
+            bm.hash_blocks(seq, num_tokens)
+            seq.num_cached_tokens += num_tokens
+            seq.load_job = None
+            seq.loaded = True
+            seq.status = SequenceStatus.WAITING
+            landed.append(seq)
+        if landed:
+            arrived = set(landed)
+            self.loading = [seq for seq in self.loading if seq not in arrived]
+            self.waiting.extendleft(reversed(landed))
+
     def _last_token_in_flight(self, seq: Sequence) -> bool:
         """Whether the token a step in flight is sampling for ``seq`` is its last (by length: a stop
         token is only known once it lands)."""
@@ -204,21 +338,33 @@ class Scheduler:
         if self.events.active:
             self.events.emit(Schedule, phase=phase, request_ids=tuple(s.seq_id for s in seqs),
                              num_tokens=tuple(s.num_scheduled_tokens for s in seqs), chunked=tuple(chunked),
-                             waiting=len(self.waiting), running=len(self.running),
+                             waiting=len(self.waiting) + len(self.loading), running=len(self.running),
                              free_blocks=self.block_manager.num_free_blocks)
 
     def _preempt_youngest(self, for_seq: Sequence) -> Sequence:
-        """Evict the youngest running request for recompute: free its blocks and put it at the front
-        of the queue. Returns it."""
+        """Evict the youngest running request: free its blocks (its computed ones copied to the host
+        tier first when swapping and there is room, else to be recomputed) and put it at the front
+        of the queue, behind any waiting request that already holds blocks (a loaded one must not
+        wait behind it for the blocks it holds). Returns it."""
         seq = self.running.pop()
-        self.waiting.appendleft(seq)
+        holding = 0
+        while holding < len(self.waiting) and self.waiting[holding].block_table:
+            holding += 1
+        self.waiting.insert(holding, seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
-        freed = self.block_manager.deallocate(seq)
+        bm, mode = self.block_manager, "recompute"
+        if self.swap and seq.num_cached_tokens > 0:
+            num_blocks = bm.blocks_needed(seq.num_cached_tokens)
+            if self.host_tier.can_swap_out(num_blocks):
+                seq.swapped = self.host_tier.swap_out(seq, seq.block_table[:num_blocks], seq.num_cached_tokens)
+                mode = "swap"
+        freed = bm.deallocate(seq)
         if self.events.active:
             self.events.emit(Preempt, request_id=seq.seq_id, num_tokens=seq.num_tokens, freed_blocks=freed,
-                             for_request_id=for_seq.seq_id)
+                             for_request_id=for_seq.seq_id, mode=mode,
+                             cpu_block_ids=tuple(seq.swapped.cpu_block_ids) if mode == "swap" else ())
         return seq
 
     def expect_tokens(self, batch: ScheduledBatch) -> None:
@@ -281,8 +427,13 @@ class Scheduler:
         if self.events.active and produced_ids:
             self.events.emit(Tokens, request_ids=tuple(produced_ids), token_ids=tuple(produced_tokens))
         for seq in finished:
-            self._finish(seq, seq.finish_reason, now, self.running if seq.status is SequenceStatus.RUNNING else self.waiting)
+            self._finish(seq, seq.finish_reason, now, self._queue_of(seq))
         return finished
+
+    def _queue_of(self, seq: Sequence) -> deque[Sequence] | list[Sequence]:
+        if seq.status is SequenceStatus.RUNNING:
+            return self.running
+        return self.loading if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS else self.waiting
 
     @staticmethod
     def _completes_stop_string(seq: Sequence, token_id: int) -> bool:
@@ -293,7 +444,7 @@ class Scheduler:
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         """Stop a request wherever it is and free its blocks; None if it is not here (already done)."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.loading, self.running):
             for seq in queue:
                 if seq.seq_id == seq_id:
                     self._finish(seq, reason, time.perf_counter(), queue)
@@ -306,17 +457,25 @@ class Scheduler:
         self.block_manager.uncache(seq)
         return self.abort(seq.seq_id, reason="error")
 
-    def _finish(self, seq: Sequence, reason: str, now: float, queue: deque[Sequence]) -> None:
-        """Take ``seq`` out of ``queue`` and release its blocks; the events follow the state change."""
+    def _finish(self, seq: Sequence, reason: str, now: float, queue: deque[Sequence] | list[Sequence]) -> None:
+        """Take ``seq`` out of ``queue`` and release its blocks (a loading request's once the copy
+        into them has landed); the events follow the state change."""
         queue.remove(seq)
         seq.truncate(seq.num_known_tokens)  # an aborted request drops the tokens still in flight
+        loading = seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_scheduled_tokens = 0
-        self.block_manager.deallocate(seq)
+        if loading:
+            self.host_tier.cancel_load(seq.load_job)
+        else:
+            self.block_manager.deallocate(seq)
+            if seq.swapped is not None:
+                self.host_tier.release_swap(seq, seq.swapped)
         if self.events.active:
             self.events.emit(RequestFinished, request_id=seq.seq_id, reason=reason,
                              prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_prompt_cached_tokens,
+                             host_cached_tokens=seq.num_prompt_host_tokens,
                              output_tokens=seq.num_completion_tokens, num_preemptions=seq.num_preemptions,
                              arrival=seq.arrival_time, first_scheduled=seq.first_scheduled_time,
                              first_token=seq.first_token_time, last_token=seq.last_token_time, finished=now)

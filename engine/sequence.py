@@ -1,12 +1,20 @@
-"""A request's state as it moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted)."""
+"""A request's state as it moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted).
+
+With a host KV tier a request may also wait for its K/V to be copied in (WAITING_FOR_REMOTE_KVS, as
+vLLM's) between WAITING and RUNNING.
+"""
 
 from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.host_tier import SwapEntry
 
 # Stands for a token that a launched step is sampling but whose id has not reached the host yet
 # (see ``Scheduler.expect_tokens``); never a real token id.
@@ -15,6 +23,7 @@ PLACEHOLDER = -1
 
 class SequenceStatus(Enum):
     WAITING = auto()
+    WAITING_FOR_REMOTE_KVS = auto()
     RUNNING = auto()
     FINISHED = auto()
 
@@ -37,7 +46,8 @@ class Sequence:
         "temperature", "max_tokens", "ignore_eos", "params", "plain_sampling", "stop_token_ids",
         "detokenizer", "stop_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "num_preemptions", "num_prompt_cached_tokens", "finish_reason",
+        "num_preemptions", "num_prompt_cached_tokens", "num_prompt_host_tokens", "finish_reason",
+        "load_job", "loaded", "swapped",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
@@ -71,9 +81,14 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0
-        # Prompt tokens served by the prefix cache at the first admission (vLLM's cached_tokens).
+        # Prompt tokens not computed at the first admission (vLLM's cached_tokens): GPU prefix hits
+        # and, of those, ``num_prompt_host_tokens`` loaded from the host tier.
         self.num_prompt_cached_tokens = 0
+        self.num_prompt_host_tokens = 0
         self.finish_reason: str | None = None
+        self.load_job: int | None = None  # the host-tier copy it waits for (WAITING_FOR_REMOTE_KVS)
+        self.loaded = False  # that copy landed and the rest of its prompt is not scheduled yet
+        self.swapped: SwapEntry | None = None  # where its K/V went when it was preempted by swap
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -8,7 +8,8 @@ touch (or its birth), and the gaps between its last four touches, as vLLM's coll
 
 glassbox's events tell a fresh allocation from a hit without asking the engine: a block allocated
 while free and no longer a cache entry (``block_evict`` came first, or it never was one) holds new
-data; one allocated while in use, or while still a cache entry, was a hit.
+data; one allocated while in use, or while still a cache entry, was a hit. Only the GPU pool's
+blocks count (``medium == "GPU"``), as in vLLM.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class KVResidency:
         self._lives.clear()
 
     def alloc(self, e: BlockAlloc) -> None:
-        if not self._enabled:
+        if not self._enabled or e.medium != "GPU":
             return
         for block_id, refcount in zip(e.block_ids, e.refcounts):
             if not 0 <= block_id < len(self._refcounts):
@@ -75,17 +76,21 @@ class KVResidency:
             self._refcounts[block_id] = refcount
 
     def free(self, e: BlockFree) -> None:
+        if e.medium != "GPU":
+            return
         for block_id, refcount in zip(e.block_ids, e.refcounts):
             if 0 <= block_id < len(self._refcounts):
                 self._refcounts[block_id] = refcount
 
     def stored(self, e: BlockStored) -> None:
+        if e.medium != "GPU":
+            return
         for block_id in e.block_ids:
             if 0 <= block_id < len(self._cached):
                 self._cached[block_id] = True
 
     def evicted(self, e: BlockEvict) -> None:
-        if 0 <= e.block_id < len(self._cached):
+        if e.medium == "GPU" and 0 <= e.block_id < len(self._cached):
             self._cached[e.block_id] = False
 
     def _reused(self, block_id: int, t: float) -> None:

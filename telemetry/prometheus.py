@@ -38,6 +38,8 @@ from engine.events import (
     EngineStarted,
     Event,
     FirstToken,
+    HostHit,
+    KVTransfer,
     Preempt,
     PrefixHit,
     RequestArrived,
@@ -45,12 +47,14 @@ from engine.events import (
     RequestRejected,
     Schedule,
     Step,
+    SwapIn,
     Tokens,
 )
 from telemetry.event_queue import DEFAULT_MAXSIZE, Consumer, queue_stats
 from telemetry.intervals import RequestIntervals
 from telemetry.kv_residency import DEFAULT_SAMPLE, RESIDENCY_BUCKETS, Eviction, KVResidency
 from telemetry.metrics_server import MetricsServer, PortInUseError  # noqa: F401  (re-exported: callers catch it here)
+from telemetry.offload_metrics import OffloadMetrics
 
 # Bucket boundaries exactly as vLLM's loggers.py (docs/architecture.md §5).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -65,7 +69,7 @@ NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 # vLLM's FinishReason values; every series exists from the start so rate() works from zero.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-# Where cached prompt tokens came from (vLLM's cache_hit_source.py); glassbox's hits are all on the device.
+# Where cached prompt tokens came from (vLLM's cache_hit_source.py); glassbox's are the device and the host.
 CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 # vLLM's two reasons a request waits: the scheduler ran out of something (capacity), or skipped it
 # for now (deferred). glassbox's scheduler skips none: every waiting request waits for capacity.
@@ -119,7 +123,7 @@ CACHE_CONFIG_LABELS = (*_CACHE_CONFIG_DEFAULTS, "engine")
 def cache_config_labels(e: EngineStarted, engine: str) -> dict[str, str]:
     """``vllm:cache_config_info``'s labels for this engine: glassbox's value where it has the
     setting (K/V in the model's dtype is vLLM's ``auto``; blocks are hashed with xxhash), vLLM's
-    default where it has nothing of the kind. The host tier does not exist yet: no CPU blocks."""
+    default where it has nothing of the kind."""
     kv_tokens = e.num_blocks * e.block_size
     values = {**_CACHE_CONFIG_DEFAULTS,
               "block_size": e.block_size, "user_specified_block_size": True, "_block_size_resolved": True,
@@ -127,7 +131,8 @@ def cache_config_labels(e: EngineStarted, engine: str) -> dict[str, str]:
               "prefix_caching_hash_algo": "xxhash", "num_gpu_blocks": e.num_blocks,
               "effective_attention_block_size": e.block_size, "hash_block_size": e.block_size,
               "cache_hit_alignment_tokens": e.block_size, "kv_cache_size_tokens": kv_tokens,
-              "kv_cache_max_concurrency": kv_tokens / e.max_model_len}
+              "kv_cache_max_concurrency": kv_tokens / e.max_model_len,
+              "num_cpu_blocks": e.num_cpu_blocks or None, "kv_offloading_size": e.kv_offloading_size}
     return {**{name: str(value) for name, value in values.items()}, "engine": engine}
 
 
@@ -144,7 +149,9 @@ class _Request:
     arrival: float
     prompt_tokens: int
     max_tokens: int
-    cached_tokens: int | None = None  # prefix hit at first admission
+    cached_tokens: int | None = None  # GPU prefix hit at first admission
+    host_tokens: int = 0  # host-tier hit at first admission
+    admissions: int = 0
     last_token: float | None = None  # for the inter-token latency of the next one
 
 
@@ -230,6 +237,7 @@ class PrometheusExporter(Consumer):
         self._step_tokens = 0
         self._num_blocks: int | None = None
         self._config_metrics_ready = False
+        self.offload: OffloadMetrics | None = None  # made when the engine announces a host tier
         self._create_metrics()
         self.residency = self._create_residency_metrics(kv_cache_metrics_sample) if kv_cache_metrics else None
         self.registry.register(_QueueStatsCollector(model_name, engine))
@@ -240,6 +248,9 @@ class PrometheusExporter(Consumer):
             RequestArrived: self._on_arrived,
             RequestRejected: self._on_rejected,
             PrefixHit: self._on_prefix_hit,
+            HostHit: self._on_host_hit,
+            SwapIn: self._on_swap_in,
+            KVTransfer: self._on_transfer,
             BlockStored: self._on_block_stored,
             BlockEvict: self._on_block_evict,
             Schedule: self._on_schedule,
@@ -327,11 +338,16 @@ class PrometheusExporter(Consumer):
         cached_by_source = self._counter("vllm:prompt_tokens_cached_by_source",
                                          "Number of cached prompt tokens by where they were found.", ("source",))
         self.prompt_cached_by_source = {s: cached_by_source.labels(*lv, s) for s in CACHED_SOURCES}
-        # Series vLLM registers for every text model that glassbox has nothing to count in (no KV
-        # connector, no multimodal inputs, no FLOP estimates): present, and zero, as in vLLM.
+        # The host tier is glassbox's KV connector; both stay zero without one, as in vLLM.
+        self.external_queries = self._counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector, in tokens."
+        ).labels(*lv)
+        self.external_hits = self._counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector, in tokens."
+        ).labels(*lv)
+        # Series vLLM registers for every text model that glassbox has nothing to count in (no
+        # multimodal inputs, no FLOP estimates): present, and zero, as in vLLM.
         for name, doc in (
-            ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector, in tokens."),
-            ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector, in tokens."),
             ("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."),
             ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
             ("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU."),
@@ -465,6 +481,8 @@ class PrometheusExporter(Consumer):
         self.cache_config.labels(**cache_config_labels(e, self.engine)).set(1)
         if self.residency is not None:
             self.residency.started(e)
+        if e.num_cpu_blocks and self.offload is None:
+            self.offload = OffloadMetrics(self.registry, dict(zip(LABELS, (self.model_name, self.engine))), e)
         self._num_blocks = e.num_blocks
         self._requests.clear()
         self._step_tokens = 0
@@ -481,19 +499,47 @@ class PrometheusExporter(Consumer):
 
     def _on_prefix_hit(self, e: PrefixHit) -> None:
         req = self._requests.get(e.request_id)
-        if req is not None and req.cached_tokens is not None:
-            return  # a re-admission after a preemption: vLLM keeps those out of the exported counters
+        if req is not None:
+            req.admissions += 1
+            if req.admissions > 1:
+                return  # a re-admission after a preemption: vLLM keeps those out of the exported counters
+            req.cached_tokens = e.hit_tokens
         self.prefix_queries.inc(e.query_tokens)
         self.prefix_hits.inc(e.hit_tokens)
-        if req is not None:
-            req.cached_tokens = e.hit_tokens
+        if self.offload is not None:
+            # vLLM asks its connector for what the local cache did not have.
+            self.external_queries.inc(e.query_tokens - e.hit_tokens)
+
+    def _on_host_hit(self, e: HostHit) -> None:
+        if self.offload is not None:
+            self.offload.host_hit(e)
+        req = self._requests.get(e.request_id)
+        if req is not None and req.admissions == 1:  # it follows its admission's prefix_hit
+            req.host_tokens = e.hit_tokens
+            self.external_hits.inc(e.hit_tokens)
+
+    def _on_swap_in(self, e: SwapIn) -> None:
+        if self.offload is not None:
+            self.offload.swap_in(e)
+
+    def _on_transfer(self, e: KVTransfer) -> None:
+        if self.offload is not None:
+            self.offload.transfer(e)
 
     def _on_block_stored(self, e: BlockStored) -> None:
+        if e.medium != "GPU":
+            if self.offload is not None:
+                self.offload.block_stored(e)
+            return
         self.blocks_stored.inc(len(e.block_ids))
         if self.residency is not None:
             self.residency.stored(e)
 
     def _on_block_evict(self, e: BlockEvict) -> None:
+        if e.medium != "GPU":
+            if self.offload is not None:
+                self.offload.block_evict(e)
+            return
         self.evictions.inc()
         if self.residency is not None:
             self.residency.evicted(e)
@@ -506,9 +552,13 @@ class PrometheusExporter(Consumer):
 
     def _on_preempt(self, e: Preempt) -> None:
         self.preemptions.inc()
+        if self.offload is not None:
+            self.offload.preempt(e)
 
     def _on_step(self, e: Step) -> None:
         self._set_gauges(e.running, e.waiting, e.free_blocks)
+        if self.offload is not None:
+            self.offload.step(e)
         # The step's tokens and first tokens were emitted just before its step event.
         self.iteration_tokens.observe(self._step_tokens)
         self._step_tokens = 0
@@ -546,14 +596,18 @@ class PrometheusExporter(Consumer):
             return
         self.ttft.observe(e.t - req.arrival)
         # vLLM counts a request's prompt once, when its prefill completes; its iteration_tokens
-        # credits the computed part of it (not the prefix-cache hit) to that step, chunks and all.
-        cached = req.cached_tokens or 0
-        self._step_tokens += req.prompt_tokens - cached
+        # credits the computed part of it (not the prefix-cache or host-tier hit) to that step,
+        # chunks and all.
+        local, host = req.cached_tokens or 0, req.host_tokens
+        computed = req.prompt_tokens - local - host
+        self._step_tokens += computed
         self.prompt_tokens.inc(req.prompt_tokens)
-        self.prompt_tokens_cached.inc(cached)
-        self.prompt_by_source["local_cache_hit"].inc(cached)
-        self.prompt_by_source["local_compute"].inc(req.prompt_tokens - cached)
-        self.prompt_cached_by_source["device"].inc(cached)
+        self.prompt_tokens_cached.inc(local + host)
+        self.prompt_by_source["local_cache_hit"].inc(local)
+        self.prompt_by_source["external_kv_transfer"].inc(host)
+        self.prompt_by_source["local_compute"].inc(computed)
+        self.prompt_cached_by_source["device"].inc(local)
+        self.prompt_cached_by_source["host"].inc(host)
 
     def _on_capture(self, e: CudaGraphCapture) -> None:
         self.graph_capture_seconds.set(e.seconds)

@@ -29,6 +29,7 @@ from engine.events import (
     EngineStarted,
     Event,
     FirstToken,
+    KVTransfer,
     Preempt,
     PrefixHit,
     RequestArrived,
@@ -203,6 +204,7 @@ class RequestTracer(Consumer):
             RequestArrived: self._on_arrived,
             PrefixHit: self._on_prefix_hit,
             Preempt: self._on_preempt,
+            KVTransfer: self._on_transfer,
             FirstToken: self._on_first_token,
             RequestFinished: self._finish,
             EngineStarted: self._on_engine_started,
@@ -237,6 +239,19 @@ class RequestTracer(Consumer):
             "glassbox.num_tokens": e.num_tokens,
             "glassbox.freed_blocks": e.freed_blocks,
             "glassbox.for_request_id": str(e.for_request_id),
+            "glassbox.preemption_mode": e.mode,
+        })  # fmt: skip
+
+    def _on_transfer(self, e: KVTransfer) -> None:
+        """A load from the host tier that a request waited for (a prefix hit or its swap-in)."""
+        if e.transfer_type != "CPU_to_GPU" or e.request_id not in self._requests:
+            return  # a store, or the load of a request aborted while it waited (its span has ended)
+        self._span_event(e.request_id, "kv_loaded", e, {
+            "glassbox.kv_load.reason": e.reason,
+            "glassbox.kv_load.blocks": len(e.gpu_block_ids),
+            "glassbox.kv_load.bytes": e.num_bytes,
+            "glassbox.kv_load.seconds": e.seconds,
+            "glassbox.kv_load.waited_s": e.t - e.issued,
         })  # fmt: skip
 
     def _on_first_token(self, e: FirstToken) -> None:

@@ -37,3 +37,11 @@ def gpu() -> None:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("tiny", tmp_path_factory.mktemp("checkpoints") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint: Path) -> torch.nn.Module:
+    """transformers' Qwen3 on the tiny checkpoint, in float32: the reference model."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()

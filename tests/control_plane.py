@@ -14,6 +14,13 @@ The part a model runner would emit is mimicked, minimally, on a pretend CUDA dev
 (``device="cuda"`` and not ``enforce_eager``): ``cudagraph_capture`` at start for the engine's own
 ``graph_batch_sizes``, and ``cudagraph_replay`` for every decode step, padded to the smallest
 captured size that holds its batch. On the CPU (the default) the steps are eager, as the engine's.
+
+The fake model keeps a pretend K/V cache: each block's slots hold the token whose K/V a launched
+step wrote there. A step checks that everything it attends to holds the right tokens, so a block
+reused too early, a load that landed in the wrong place or a swap that lost a token fails the run.
+With a host tier (``num_host_kvcache_blocks``) :class:`FakeOffload` moves those slots between the
+pools as the runner's ``OffloadingHandler`` moves K/V: a store gathers when it is submitted, a load
+writes when it lands, ``transfer_delay`` polls later.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import NO_HASH, BlockManager
 from engine.config import Config
+from engine.host_tier import TransferResult, TransferSpec
 from engine.events import (
     CudaGraphCapture,
     CudaGraphReplay,
@@ -37,7 +45,7 @@ from engine.events import (
 from engine.model_runner import graph_batch_sizes
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError, ScheduledBatch, Scheduler
-from engine.sequence import PLACEHOLDER, Sequence
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 VOCAB = 1000
 # In the vocabulary, but requests ignore it unless added with ``ignore_eos=False``.
@@ -46,6 +54,9 @@ MODEL = "fake-qwen3"
 # What a pretend CUDA device reports for its graph capture (invented, but not zero).
 CAPTURE_SECONDS = 0.25
 GRAPH_POOL_BYTES = 64 << 20
+# A pretend KV block's size and copy time, for the host tier's transfer events.
+BLOCK_BYTES = 1 << 20
+COPY_SECONDS_PER_BLOCK = 25e-6
 
 
 def fake_token(token_ids: list[int]) -> int:
@@ -67,6 +78,64 @@ class InFlight:
     padded_batch_size: int | None
 
 
+class FakeOffload:
+    """The host tier's data plane over the fake model's pretend K/V (``OffloadingHandler``'s
+    protocol): a store copies its GPU blocks' slots when submitted (the runner gathers them on the
+    compute stream before the next step); a load writes its GPU blocks both when submitted and when
+    it lands, the two ends of the window in which the runner's copy may write them; a job lands
+    ``delay`` polls after it was submitted (0: at the next poll)."""
+
+    def __init__(self, engine: FakeEngine, num_host_blocks: int, delay: int) -> None:
+        self.engine = engine
+        self.host_kv: list[list[int | None]] = [[None] * engine.config.kvcache_block_size for _ in range(num_host_blocks)]
+        self.delay = delay
+        self.in_flight: list[list] = []  # [polls left, spec, gathered slots]
+
+    def submit(self, specs: list[TransferSpec]) -> None:
+        for spec in specs:
+            gathered = [list(self.engine.kv[b]) for b in spec.gpu_block_ids] if spec.store else None
+            if not spec.store:
+                self._write(spec)
+            self.in_flight.append([self.delay, spec, gathered])
+
+    def _write(self, spec: TransferSpec) -> None:
+        bm = self.engine.scheduler.block_manager
+        for gpu_block, host_block in zip(spec.gpu_block_ids, spec.cpu_block_ids):
+            # A load writes blocks that its request (even an aborted one) still holds.
+            assert bm.blocks[gpu_block].ref_count > 0, f"a load wrote block {gpu_block}, which nobody holds"
+            self.engine.kv[gpu_block] = list(self.host_kv[host_block])
+
+    def poll(self) -> list[TransferResult]:
+        landed = []
+        for job in self.in_flight:
+            if job[0] <= 0:
+                landed.append(job)
+            job[0] -= 1
+        return self._land(landed)
+
+    def _land(self, landed: list[list]) -> list[TransferResult]:
+        results = []
+        for job in landed:
+            self.in_flight.remove(job)
+            _, spec, gathered = job
+            if spec.store:
+                for host_block, slots in zip(spec.cpu_block_ids, gathered):
+                    self.host_kv[host_block] = slots
+            else:
+                self._write(spec)
+            n = len(spec.gpu_block_ids)
+            results.append(TransferResult(spec.job_id, n * BLOCK_BYTES, n * COPY_SECONDS_PER_BLOCK))
+        return results
+
+    def wait(self) -> None:
+        loads = [job for job in self.in_flight if not job[1].store]
+        if loads or self.in_flight:
+            (loads or self.in_flight)[0][0] = 0
+
+    def drain(self) -> list[TransferResult]:
+        return self._land(list(self.in_flight))
+
+
 class FakeEngine:
     """``LLMEngine``'s loop: schedule -> fake forward -> ``expect_tokens`` -> postprocess, with every
     event recorded in ``events`` (start-up announcements first).
@@ -76,15 +145,22 @@ class FakeEngine:
     step in flight, as the model runner does on the GPU. The bus is held during a step and
     published where the engine publishes, so batch subscribers see what they would see."""
 
-    def __init__(self, overlap: bool = False, **config_overrides) -> None:
+    def __init__(self, overlap: bool = False, transfer_delay: int = 1, **config_overrides) -> None:
         defaults = {"kvcache_block_size": 16, "num_kvcache_blocks": 64, "max_num_batched_tokens": 256,
                     "max_num_seqs": 8, "max_model_len": 1024, "eos": EOS, "model": MODEL}
         defaults.update(config_overrides)
         self.config = config = Config(**defaults)
+        if config.host_tier_enabled and config.kv_offloading_staging_blocks == -1:
+            config.kv_offloading_staging_blocks = 8
+        # The pretend K/V: per GPU block, the token each slot's K/V was computed from.
+        self.kv: list[list[int | None]] = [[None] * config.kvcache_block_size for _ in range(config.num_kvcache_blocks)]
         self.events: list[Event] = []
         self.bus = EventBus()
         self.bus.subscribe(self.events.append)
         self.scheduler = Scheduler(config, self.bus)
+        self.offload = None
+        if config.num_host_kvcache_blocks > 0:
+            self.offload = FakeOffload(self, config.num_host_kvcache_blocks, transfer_delay)
         self.finished: list[Sequence] = []
         self.all_seqs: list[Sequence] = []
         self.steps = 0
@@ -99,7 +175,9 @@ class FakeEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
-            gpu_memory_utilization=config.gpu_memory_utilization, wall_time=time.time())
+            gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
+            kv_offloading_size=None, kv_offloading_policy=config.kv_offloading_policy,
+            preemption_mode=config.preemption_mode, wall_time=time.time())
         # Model-runner mimicry: decode CUDA graphs on a (pretend) CUDA device unless eager.
         self.graph_sizes: list[int] = []
         if device.startswith("cuda") and not config.enforce_eager:
@@ -137,7 +215,7 @@ class FakeEngine:
     def abandon(self) -> None:
         """What the engine does after an interrupt (``LLMEngine._abandon``): abort every request
         still in the scheduler, then land the step in flight."""
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+        for seq in [*self.scheduler.waiting, *self.scheduler.loading, *self.scheduler.running]:
             self.abort(seq.seq_id)
         self.drain()
         # A step interrupted after finishing requests never returned them.
@@ -158,7 +236,11 @@ class FakeEngine:
         start = time.perf_counter()
         self.steps += 1
         self.bus.step = self.steps
+        if self.offload is not None:
+            self.scheduler.complete_transfers(self.offload.poll())
         batch = self.scheduler.schedule()
+        if self.offload is not None:
+            self.offload.submit(self.scheduler.take_transfers())
         schedule_s = time.perf_counter() - start
         previous, self.in_flight = self.in_flight, None
         if batch:
@@ -172,6 +254,8 @@ class FakeEngine:
         if self.in_flight is not None and not self.overlap:
             current, self.in_flight = self.in_flight, None
             self.finished += self._complete(current)
+        if not batch and previous is None and self.offload is not None and not self.scheduler.is_finished():
+            self.offload.wait()
         return batch.seqs, batch.is_prefill
 
     def drain(self) -> None:
@@ -198,6 +282,7 @@ class FakeEngine:
                 history[-1] = in_flight[seq.seq_id]
             assert PLACEHOLDER not in history, f"request {seq.seq_id} computes an unknown token"
             histories.append(history)
+            self._attend_and_write(seq, history, len(history) - (n if batch.is_prefill else 1))
         t1 = time.perf_counter()
         padded = None
         if not batch.is_prefill and self.graph_sizes:
@@ -210,6 +295,19 @@ class FakeEngine:
                             launch_s=time.perf_counter() - t1, padded_batch_size=padded)
         self.scheduler.expect_tokens(batch)
         return launched
+
+    def _attend_and_write(self, seq: Sequence, history: list[int], start: int) -> None:
+        """The pretend K/V: what ``seq`` attends to (positions before ``start``) must hold its own
+        tokens; the step writes the K/V of positions ``start`` onwards."""
+        bs = self.config.kvcache_block_size
+        for pos in range(len(history)):
+            slots = self.kv[seq.block_table[pos // bs]]
+            if pos < start:
+                assert slots[pos % bs] == history[pos], (
+                    f"request {seq.seq_id} attends to position {pos}: the cache holds the K/V of token "
+                    f"{slots[pos % bs]}, not {history[pos]}")
+            else:
+                slots[pos % bs] = history[pos]
 
     def _complete(self, step: InFlight) -> list[Sequence]:
         """Apply a launched step's tokens and emit its ``step`` event, stamped with the number of the
@@ -230,8 +328,9 @@ class FakeEngine:
                     prepare_s=step.prepare_s, launch_s=step.launch_s,
                     wait_s=0.0,  # the fake samples are on the host at once
                     postprocess_s=end - t, padded_batch_size=step.padded_batch_size,
-                    waiting=len(scheduler.waiting), running=len(scheduler.running),
-                    free_blocks=scheduler.block_manager.num_free_blocks)
+                    waiting=len(scheduler.waiting) + len(scheduler.loading), running=len(scheduler.running),
+                    free_blocks=scheduler.block_manager.num_free_blocks, loading=len(scheduler.loading),
+                    free_cpu_blocks=scheduler.free_cpu_blocks)
             self._last_completion = end
             return finished
         finally:
@@ -244,7 +343,9 @@ class FakeEngine:
         while not self.is_finished():
             collects = self.in_flight is not None
             seqs, _ = self.step()
-            assert seqs or collects, "the scheduler returned an empty batch with work left: it would spin"
+            # Without work to launch, the engine may only be waiting for a copy to land.
+            assert seqs or collects or (self.offload and self.offload.in_flight), (
+                "the scheduler returned an empty batch with work left: it would spin")
             if check:
                 check_invariants(self)
             assert self.steps < max_steps, "no progress"
@@ -263,16 +364,25 @@ def check_invariants(engine: FakeEngine) -> None:
     assert len(free) == len(set(free)), "a block is twice in the free pool"
     assert set(free).isdisjoint(bm.used_block_ids), "a block is both free and used"
     assert set(free) | bm.used_block_ids == set(range(bm.num_blocks)), "a block is neither free nor used"
-    holders = Counter(b for s in (*sched.waiting, *sched.running) for b in s.block_table)
+    tier = sched.host_tier
+    # An aborted request whose load is in flight keeps its blocks until the copy lands.
+    aborted_loading = [] if tier is None else [j.request for j in tier.jobs.values() if j.cancelled and not j.spec.store]
+    holders = Counter(b for s in (*sched.waiting, *sched.loading, *sched.running, *aborted_loading) for b in s.block_table)
     for block in bm.blocks:
         assert block.ref_count == holders.get(block.block_id, 0), f"{block} refcount != holders"
     for h, block_id in bm.hash_to_block_id.items():
         assert bm.blocks[block_id].hash == h, "hash_to_block_id points at a block without that hash"
-    live = [s.seq_id for s in (*sched.waiting, *sched.running)]
+        # Once launched, a cache entry's K/V is that of its tokens (the fake writes at launch).
+        assert engine.kv[block_id] == bm.blocks[block_id].token_ids, f"GPU block {block_id} holds other K/V than its hash"
+    if tier is not None:
+        check_host_tier(engine)
+    for seq in sched.loading:
+        assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and seq.load_job in tier.jobs
+    live = [s.seq_id for s in (*sched.waiting, *sched.loading, *sched.running)]
     done = [s.seq_id for s in engine.finished]
     assert len(live) + len(done) == len(set(live) | set(done)), "a request is in two places"
     assert set(live) | set(done) == {s.seq_id for s in engine.all_seqs}, "a request was lost"
-    for seq in (*sched.waiting, *sched.running):
+    for seq in (*sched.waiting, *sched.loading, *sched.running):
         # The chained hashes kept on a sequence are those of its blocks' tokens, all of them known.
         h = NO_HASH
         for i, kept in enumerate(seq.block_hashes):
@@ -285,11 +395,86 @@ def check_invariants(engine: FakeEngine) -> None:
             len(seq.block_table) == seq.num_blocks - 1 and seq.num_tokens % bm.block_size == 1)
 
 
+@dataclass(slots=True)
+class HostHolders:
+    """Who holds which host block, worked out from the requests and the copies in flight."""
+
+    swapped: Counter  # host block -> swapped-out requests keeping their K/V there
+    reading: Counter  # host block -> loads in flight reading it
+    writing: Counter  # host block -> cache stores in flight writing it
+    loading: set  # GPU blocks loads in flight are writing
+    num_swap_blocks: int
+
+
+def host_holders(engine: FakeEngine) -> HostHolders:
+    sched = engine.scheduler
+    tier = sched.host_tier
+    # Swap entries not let go yet: of requests still queued, and of aborted ones whose copy is in flight.
+    entries = {id(s.swapped): s.swapped for s in (*sched.waiting, *sched.loading) if s.swapped is not None}
+    for job in tier.jobs.values():
+        if job.cancelled and job.request.swapped is not None:
+            entries[id(job.request.swapped)] = job.request.swapped
+    reading, writing, loading = Counter(), Counter(), set()
+    for job in tier.jobs.values():
+        if not job.spec.store:
+            reading.update(job.spec.cpu_block_ids)
+            loading.update(job.spec.gpu_block_ids)
+        elif job.reason != "swap-out":
+            writing.update(job.spec.cpu_block_ids)
+    swapped = Counter(b for entry in entries.values() for b in entry.cpu_block_ids)
+    return HostHolders(swapped, reading, writing, loading, sum(len(e.cpu_block_ids) for e in entries.values()))
+
+
+def check_host_tier(engine: FakeEngine) -> None:
+    """Host blocks conserved and accounted for: each is free or held, held exactly by the copies in
+    flight and the swapped-out requests that use it; a landed entry holds its tokens' K/V."""
+    sched = engine.scheduler
+    tier = sched.host_tier
+    free = list(tier.free)
+    assert len(free) == len(set(free)), "a host block is twice in the free pool"
+    held = host_holders(engine)
+    holders = held.swapped + held.reading + held.writing
+    for block in tier.blocks:
+        expected = holders.get(block.block_id, 0)
+        assert block.ref_count == expected, f"host block {block.block_id}: refcount {block.ref_count}, held {expected} times"
+        assert (block.block_id in tier.free) == (block.ref_count == 0), f"host block {block.block_id} free while held"
+    assert tier.num_swap_blocks == held.num_swap_blocks, "swap blocks miscounted"
+    in_flight_stores = sum(len(j.spec.cpu_block_ids) for j in tier.jobs.values() if j.spec.store)
+    assert tier.staging_free + in_flight_stores == tier.staging_blocks, "store staging leaked"
+    bm = sched.block_manager
+    for h, block_id in tier.hash_to_block_id.items():
+        block = tier.blocks[block_id]
+        assert block.hash == h, "the host tier's hash map points at a block without that hash"
+        if block.ready:
+            assert engine.offload.host_kv[block_id] == block.token_ids, f"host block {block_id} holds other K/V than its hash"
+        gpu = bm.hash_to_block_id.get(h)
+        if gpu is not None:
+            assert bm.blocks[gpu].token_ids == block.token_ids, "one hash, different contents in the two tiers"
+
+
+def check_idle(engine: FakeEngine) -> None:
+    """After the run and a drain of the copies: nothing held anywhere."""
+    sched = engine.scheduler
+    assert all(b.ref_count == 0 for b in sched.block_manager.blocks), "GPU blocks still held"
+    tier = sched.host_tier
+    if tier is not None:
+        sched.complete_transfers(engine.offload.drain())
+        assert not tier.jobs, "copies still in flight"
+        assert all(b.ref_count == 0 for b in tier.blocks), "host blocks still held"
+        assert tier.num_swap_blocks == 0 and len(tier.free) == tier.num_blocks
+        assert tier.staging_free == tier.staging_blocks
+        check_host_tier(engine)
+
+
 # --- a workload that exercises every event kind, for the consumers' tests -------------------------
 
 # Small enough that a round chunks, shares, preempts and evicts; on a pretend CUDA device (graphs).
 WORKLOAD_CONFIG = {"kvcache_block_size": 16, "num_kvcache_blocks": 16, "max_num_seqs": 4,
                    "max_num_batched_tokens": 64, "max_model_len": 256, "device": "cuda"}
+
+
+# A host tier that the workload outgrows: stores evict, later requests hit it.
+HOST_TIER = {"num_host_kvcache_blocks": 24}
 
 
 def workload_engine(overlap: bool = True, **config) -> FakeEngine:

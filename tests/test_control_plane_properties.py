@@ -1,12 +1,14 @@
-"""Property-based tests: random workloads through the scheduler and block manager, invariants checked
-after every step (block conservation, refcounts, hash map consistency, no lost requests)."""
+"""Property-based tests: random workloads through the scheduler, the block manager and the host KV
+tier, invariants checked after every step (block conservation across both tiers, refcounts, hash
+maps consistent, one hash never with two contents, the fake model's K/V right wherever a step
+attends, no lost requests) and nothing held at the end."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.control_plane import VOCAB, FakeEngine, check_invariants
+from tests.control_plane import VOCAB, FakeEngine, check_idle, check_invariants
 
 requests = st.lists(
     st.tuples(
@@ -32,13 +34,24 @@ requests = st.lists(
     eos=st.integers(0, VOCAB),
     seed=st.integers(0, 1000),
     overlap=st.booleans(),
+    host_blocks=st.sampled_from([0, 0, 3, 12, 48]),
+    policy=st.sampled_from(["write-through", "write-back"]),
+    swap=st.booleans(),
+    staging=st.integers(1, 8),
+    transfer_delay=st.integers(0, 3),
+    aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 40)), max_size=3),  # (request, at step)
 )
 def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, max_num_seqs, prefix_caching,
-                                          eos, seed, overlap):
+                                          eos, seed, overlap, host_blocks, policy, swap, staging, transfer_delay,
+                                          aborts):
     # overlap: each step is postprocessed after the next one is scheduled and launched.
-    engine = FakeEngine(overlap=overlap, kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
-                        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                        enable_prefix_caching=prefix_caching, eos=eos, max_model_len=160)
+    tier = {}
+    if host_blocks:
+        tier = dict(num_host_kvcache_blocks=host_blocks, kv_offloading_policy=policy,
+                    kv_offloading_staging_blocks=staging, preemption_mode="swap" if swap else "recompute")
+    engine = FakeEngine(overlap=overlap, transfer_delay=transfer_delay, kvcache_block_size=block_size,
+                        num_kvcache_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                        enable_prefix_caching=prefix_caching, eos=eos, max_model_len=160, **tier)
     prefixes = {p: [(seed + p * 97 + i * 13) % VOCAB for i in range(p * 20)] for p in range(4)}
     pending = sorted(enumerate(reqs), key=lambda r: r[1][4])
     accepted, rejected = [], 0
@@ -53,25 +66,36 @@ def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, 
                 rejected += 1
                 assert engine.scheduler.block_manager.blocks_needed(
                     engine.scheduler.max_kv_tokens(len(prompt), max_tokens)) > num_blocks
+        for index, at in aborts:
+            if at == steps and index < len(accepted):
+                engine.abort(accepted[index].seq_id)  # wherever it is: waiting, loading, running or done
         collects = engine.in_flight is not None
+        preempted = len(engine.of_kind("preempt"))
         seqs, _ = engine.step()
         steps += 1
         check_invariants(engine)
         if not seqs:
-            assert collects or engine.is_finished(), "idle with work left"
+            # An empty step must have had a reason: a step to collect, a copy to wait for, or a request
+            # that gave way to itself (it comes back next step, when its in-flight token has landed).
+            copying = engine.offload is not None and engine.offload.in_flight
+            gave_way = len(engine.of_kind("preempt")) > preempted
+            assert collects or copying or gave_way or engine.is_finished(), "idle with work left"
         assert steps < 5000, "no progress"
 
+    check_idle(engine)
     bm = engine.scheduler.block_manager
     assert len(bm.free_block_ids) == num_blocks and not bm.used_block_ids
     assert sorted(s.seq_id for s in engine.finished) == sorted(s.seq_id for s in accepted)
     for seq in engine.finished:
         out = seq.num_completion_tokens
-        assert 1 <= out <= seq.max_tokens
+        assert out <= seq.max_tokens
         if seq.finish_reason == "stop":
             assert not seq.ignore_eos and seq.token_ids[-1] == eos
-        else:
-            assert seq.finish_reason == "length"
+        elif seq.finish_reason == "length":
             assert out == seq.max_tokens or seq.num_tokens >= 160
+        else:
+            assert seq.finish_reason == "abort"
+        assert out >= 1 or seq.finish_reason == "abort"
         # Every generated token is the fake model's answer for the tokens before it (no chunk's or
         # preempted step's sample leaked in).
         for k in range(seq.num_prompt_tokens, seq.num_tokens):

@@ -20,6 +20,7 @@ from engine.model_runner import LaunchedStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError, RequestRejectedError
 from models.errors import CheckpointError
+from tests.reference import hf_greedy
 
 MAX_TOKENS = 20
 GAP = 1e-4
@@ -33,23 +34,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def reference(hf_model, prompts) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                    min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
-            outs.append(gen[0, len(prompt):].tolist())
-    return outs
+    return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
 def teacher_forced_mismatches(hf_model, prompt: list[int], reference: list[int], produced: list[int]):

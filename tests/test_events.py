@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from engine.events import EVENT_TYPES, EventBus, PrefixHit, Step, event_from_dict, event_to_dict
-from tests.control_plane import FakeEngine, mid_run_snapshot, workload_events
+from tests.control_plane import HOST_TIER, FakeEngine, mid_run_snapshot, workload_events
 
 BS = 16
 
@@ -27,7 +27,9 @@ def test_each_kind_is_named_once_as_a_class_attribute():
 
 
 def test_every_kind_of_a_real_run_survives_json_and_back():
-    events = workload_events(overlap=False) + workload_events(overlap=True) + [mid_run_snapshot()]
+    # Without a tier and with one: host hits after recompute, swap-outs and swap-ins after a swap.
+    events = (workload_events(overlap=False) + workload_events(overlap=True, **HOST_TIER)
+              + workload_events(preemption_mode="swap", **HOST_TIER) + [mid_run_snapshot(**HOST_TIER)])
     assert {e.kind for e in events} == set(EVENT_TYPES)  # the round trip below covers every kind
     for event in events:
         data = json.loads(json.dumps(event_to_dict(event)))

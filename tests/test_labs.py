@@ -153,12 +153,12 @@ def step_done(step: int, phase: str, num_seqs: int, num_tokens: int) -> Step:
     return Step(t=step + 0.5, step=step, phase=phase, num_seqs=num_seqs, num_prefill_tokens=num_tokens if prefill else 0,
                 num_decode_tokens=0 if prefill else num_tokens, duration_s=0.25, schedule_s=0, prepare_s=0,
                 launch_s=0, wait_s=0, postprocess_s=0, padded_batch_size=None, waiting=0, running=num_seqs,
-                free_blocks=4)
+                free_blocks=4, loading=0, free_cpu_blocks=0)
 
 
 def finished(step: int, rid: int, preemptions: int) -> RequestFinished:
     return RequestFinished(t=step + 0.6, step=step, request_id=rid, reason="length", prompt_tokens=40 if rid == 1 else 20,
-                           cached_tokens=16 if rid == 1 else 0, output_tokens=3, num_preemptions=preemptions,
+                           cached_tokens=16 if rid == 1 else 0, host_cached_tokens=0, output_tokens=3, num_preemptions=preemptions,
                            arrival=0.0, first_scheduled=1.0, first_token=2.6, last_token=step + 0.5, finished=step + 0.6)
 
 
@@ -176,7 +176,7 @@ def hand_made_run() -> list[Event]:
         schedule(3, "prefill", (2,), (16,), running=1), step_done(3, "prefill", 1, 16),
         schedule(4, "prefill", (2,), (4,), running=2), Tokens(t=4.6, step=4, request_ids=(2,), token_ids=(5,)),
         FirstToken(t=4.6, step=4, request_id=2), step_done(4, "prefill", 1, 4),
-        Preempt(t=5, step=5, request_id=2, num_tokens=21, freed_blocks=2, for_request_id=1),
+        Preempt(t=5, step=5, request_id=2, num_tokens=21, freed_blocks=2, for_request_id=1, mode="recompute", cpu_block_ids=()),
         schedule(5, "decode", (1,), (1,), running=1), Tokens(t=5.6, step=5, request_ids=(1,), token_ids=(6,)),
         step_done(5, "decode", 1, 1),
         PrefixHit(t=6, step=6, request_id=2, query_tokens=21, hit_tokens=16, hit_block_ids=(9,)),

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
 
 from kernels.reference import decode_attention_ref, norm_rope_store_ref, prefill_attention_ref
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
@@ -117,11 +116,6 @@ class PagedRunner:
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint: Path) -> Qwen3ForCausalLM:
     return load_pretrained(tiny_checkpoint, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_checkpoint: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
 
 
 @torch.no_grad()

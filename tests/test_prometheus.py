@@ -18,7 +18,7 @@ from telemetry.prometheus import (
     PrometheusExporter,
     build_1_2_5_buckets,
 )
-from tests.control_plane import CAPTURE_SECONDS, GRAPH_POOL_BYTES, workload_engine, workload_events
+from tests.control_plane import CAPTURE_SECONDS, GRAPH_POOL_BYTES, HOST_TIER, workload_engine, workload_events
 
 MODEL = "glassbox-test"
 MAX_MODEL_LEN = 256
@@ -253,6 +253,68 @@ def test_totals_agree_with_the_event_stream(exporter, events):
     assert value(fam, "vllm:num_requests_running") == 0
     assert value(fam, "vllm:num_requests_waiting") == 0
     assert value(fam, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_without_a_host_tier_no_offload_series_exist(exporter, events):
+    """A router reads any vllm:kv_offload_* series as "this engine offloads"."""
+    feed(exporter, events)
+    fam = scrape(exporter.url)
+    assert not [name for name in fam if name.startswith(("vllm:kv_offload", "glassbox:host", "glassbox:swap"))]
+    assert value(fam, "vllm:external_prefix_cache_queries_total") == 0
+    assert value(fam, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_host_tier_is_counted_as_vllm_counts_a_kv_connector(exporter, mode):
+    events = workload_events(rounds=2, max_model_len=MAX_MODEL_LEN, preemption_mode=mode, **HOST_TIER)
+    feed(exporter, events)
+    fam = scrape(exporter.url)
+    transfers = [e for e in events if e.kind == "kv_transfer"]
+    for transfer_type, flat in (("GPU_to_CPU", "store"), ("CPU_to_GPU", "load")):
+        of_type = [e for e in transfers if e.transfer_type == transfer_type]
+        assert of_type, f"the workload made no {flat}"
+        for name in ("vllm:kv_offload_total_bytes_total", f"vllm:kv_offload_{flat}_bytes_total"):
+            labels = {"transfer_type": transfer_type} if "total_bytes" in name else {}
+            assert value(fam, name, **labels) == sum(e.num_bytes for e in of_type)
+        assert value(fam, "vllm:kv_offload_total_time_total", transfer_type=transfer_type) == pytest.approx(
+            sum(e.seconds for e in of_type))
+        assert value(fam, "vllm:kv_offload_size_count", transfer_type=transfer_type) == len(of_type)
+        assert value(fam, f"vllm:kv_offload_{flat}_size_count") == len(of_type)
+    # External hits: the host tier's, at first admissions only; queried: what the GPU cache lacked.
+    first_admission: dict[int, tuple] = {}
+    host_hits = [e for e in events if e.kind == "host_hit"]
+    for e in events:
+        if e.kind == "prefix_hit" and e.request_id not in first_admission:
+            first_admission[e.request_id] = (e, next((h for h in host_hits if h.request_id == e.request_id
+                                                     and h.step == e.step), None))
+    queried = sum(p.query_tokens - p.hit_tokens for p, _ in first_admission.values())
+    external = sum(h.hit_tokens for _, h in first_admission.values() if h is not None)
+    assert value(fam, "vllm:external_prefix_cache_queries_total") == queried > 0
+    assert value(fam, "vllm:external_prefix_cache_hits_total") == external
+    assert value(fam, "glassbox:host_cache_hits_total") == sum(e.hit_tokens for e in host_hits)
+    # Prompt tokens by source: computed, GPU hit and loaded add up to the prompts, once per request.
+    served = {e.request_id for e in events if e.kind == "first_token"}
+    by_source = {s: value(fam, "vllm:prompt_tokens_by_source_total", source=s)
+                 for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert sum(by_source.values()) == value(fam, "vllm:prompt_tokens_total")
+    assert by_source["external_kv_transfer"] == sum(
+        h.hit_tokens for rid, (_, h) in first_admission.items() if h is not None and rid in served)
+    assert value(fam, "vllm:prompt_tokens_cached_by_source_total", source="host") == by_source["external_kv_transfer"]
+    assert value(fam, "vllm:prompt_tokens_cached_total") == by_source["local_cache_hit"] + by_source["external_kv_transfer"]
+    kinds = Counter(e.kind for e in events)
+    swaps = sum(e.kind == "preempt" and e.mode == "swap" for e in events)
+    assert value(fam, "glassbox:swap_outs_total") == swaps and (swaps > 0) == (mode == "swap")
+    assert value(fam, "glassbox:swap_ins_total") == kinds["swap_in"]
+    cpu = [e for e in events if e.kind in ("block_stored", "block_evict") and e.medium == "CPU"]
+    assert value(fam, "glassbox:host_blocks_stored_total") == sum(len(e.block_ids) for e in cpu if e.kind == "block_stored")
+    assert value(fam, "glassbox:host_block_evictions_total") == sum(e.kind == "block_evict" for e in cpu)
+    assert value(fam, "glassbox:block_evictions_total") == sum(e.kind == "block_evict" and e.medium == "GPU" for e in events)
+    waited = [e for e in transfers if e.transfer_type == "CPU_to_GPU"]
+    assert 0 < value(fam, "glassbox:kv_load_wait_seconds_count") <= len(waited)
+    last = [e for e in events if e.kind == "step"][-1]
+    assert value(fam, "glassbox:host_kv_cache_usage_perc") == 1 - last.free_cpu_blocks / started(events).num_cpu_blocks
+    info = fam["vllm:cache_config_info"].samples[0].labels
+    assert info["num_cpu_blocks"] == str(HOST_TIER["num_host_kvcache_blocks"]) and info["kv_offloading_size"] == "None"
 
 
 def test_intervals_follow_vllm_definitions(exporter, events):

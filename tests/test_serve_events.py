@@ -34,7 +34,8 @@ def drained(source: ConnectedSource) -> DashboardState:
 
 def picture(state: DashboardState) -> tuple:
     live = {r.request_id: r.state for r in state.requests.values() if not r.finished}
-    return state.refcounts, state.cached, state.waiting, state.running, live
+    host = state.cpu_refcounts, state.cpu_cached, dict(+state.cpu_reading), state.gpu_loading
+    return state.refcounts, state.cached, state.waiting, state.running, live, host
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:
@@ -140,21 +141,37 @@ def test_a_full_client_queue_drops_whole_steps_and_says_how_many():
     assert items == [*events[:8], 12, *events[20:22], 18]
 
 
+@pytest.mark.parametrize("tier", [{}, {"num_host_kvcache_blocks": 64, "preemption_mode": "swap"}], ids=["no tier", "host tier"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_snapshot_agrees_with_the_state_built_from_events(overlap):
-    engine = FakeEngine(overlap=overlap, num_kvcache_blocks=16)
+def test_snapshot_agrees_with_the_state_built_from_events(overlap, tier):
+    # Copies take two steps to land: some are in flight at many of the snapshots.
+    engine = FakeEngine(overlap=overlap, num_kvcache_blocks=16, transfer_delay=2, **tier)
     state = DashboardState()
-    for event in engine.events:
-        state.apply(event)
+    state.apply_all(engine.events)
     seen = len(engine.events)
+
+    def steps(n: int) -> None:
+        nonlocal seen
+        for step in range(n):
+            if engine.is_finished():
+                return
+            engine.step()
+            state.apply_all(engine.events[seen:])
+            seen = len(engine.events)
+            rebuilt = DashboardState()
+            rebuilt.apply(engine.events[0])  # engine_started
+            rebuilt.apply(engine.scheduler.snapshot())
+            assert picture(rebuilt) == picture(state), f"step {engine.steps}"
+
     system = prompt_tokens_for(40, 0)
     for i in range(6):
         engine.add(system + prompt_tokens_for(5 + i, i), max_tokens=30, temperature=0.7)
-    for step in range(12):
-        engine.step()
-        state.apply_all(engine.events[seen:])
-        seen = len(engine.events)
-        rebuilt = DashboardState()
-        rebuilt.apply(engine.events[0])  # engine_started
-        rebuilt.apply(engine.scheduler.snapshot())
-        assert picture(rebuilt) == picture(state), f"step {step}"
+    steps(12 if not tier else 500)
+    if tier:
+        engine.add(prompt_tokens_for(240, 9), max_tokens=4)  # evicts all of the first wave's blocks from the GPU
+        steps(500)
+        for i in range(3):  # finds the first wave's prompts in the host tier
+            engine.add(system + prompt_tokens_for(5 + i, i), max_tokens=10, temperature=0.7)
+        steps(500)
+        kinds = {e.kind for e in engine.events}
+        assert {"host_hit", "swap_in", "kv_transfer"} <= kinds, kinds

@@ -30,7 +30,7 @@ from engine.config import ConfigError
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
 from engine.tensor_parallel import WorkerError
-from tests.test_engine import GAP, MAX_TOKENS, greedy, hf_model, prompts, reference, teacher_forced_mismatches  # noqa: F401
+from tests.test_engine import GAP, MAX_TOKENS, greedy, prompts, reference, teacher_forced_mismatches  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 

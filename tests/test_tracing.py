@@ -10,7 +10,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from engine.events import RequestFinished
 from telemetry.tracing import RequestTracer, validate_endpoint
-from tests.control_plane import workload_events
+from tests.control_plane import HOST_TIER, workload_events
 
 # The real control plane's events (real perf_counter times): assertions relate event fields.
 EVENTS = workload_events()
@@ -105,6 +105,34 @@ def test_span_events_mark_scheduling_preemption_and_first_token(events, spans):
     first = next(e for e in events if e.kind == "first_token")
     stamped = [ev for ev in spans[str(first.request_id)].events if ev.name == "first_token"]
     assert stamped[0].timestamp == epoch_ns(first.t)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_load_from_the_host_tier_is_a_span_event_of_the_request_that_waited(mode):
+    events = workload_events(preemption_mode=mode, **HOST_TIER)
+    loads = [e for e in events if e.kind == "kv_transfer" and e.transfer_type == "CPU_to_GPU"]
+    assert loads, "the workload loads nothing back: the test would prove nothing"
+    memory = InMemorySpanExporter()
+    with RequestTracer(span_exporter=memory) as tracer:
+        for e in events:
+            tracer.put(e)
+        assert tracer.flush()
+    spans = {span.attributes["gen_ai.request.id"]: span for span in memory.get_finished_spans()}
+    finished = {e.request_id: e.t for e in events if e.kind == "request_finished"}
+    started = events[0]
+    for load in loads:
+        if finished[load.request_id] < load.t:  # aborted while loading: its span had ended
+            assert not any(ev.name == "kv_loaded" for ev in spans[str(load.request_id)].events)
+            continue
+        marks = [ev for ev in spans[str(load.request_id)].events if ev.name == "kv_loaded"]
+        assert any(ev.attributes["glassbox.kv_load.blocks"] == len(load.gpu_block_ids)
+                   and ev.attributes["glassbox.kv_load.bytes"] == load.num_bytes
+                   and ev.attributes["glassbox.kv_load.reason"] == load.reason
+                   and ev.timestamp == int(started.wall_time * 1e9) + int((load.t - started.t) * 1e9)
+                   for ev in marks)
+    if mode == "swap":
+        swapped = [ev for span in spans.values() for ev in span.events if ev.name == "preempted"]
+        assert any(ev.attributes["glassbox.preemption_mode"] == "swap" for ev in swapped)
 
 
 class _Receiver(BaseHTTPRequestHandler):

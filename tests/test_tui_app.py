@@ -200,8 +200,12 @@ def test_a_large_terminal_keeps_everything(size):
         async with app.run_test(size=size) as pilot:
             await _settle(pilot)
             rows = screen(app)
-            for item in ("tiny · cpu · float32 · torch · eager", "up 0:01", "steps/s", "prompt 2.8k tok/s",
-                         "gen 350 tok/s", "paused · dashboard.jsonl.gz · end · speed ×1"):
+            # The recording's own uptime and rates (a regenerated recording has other timings).
+            state = reduced(list(read_recording(RECORDING)[1]))
+            steps, prompt_tps, gen_tps = state.rates()
+            for item in ("tiny · cpu · float32 · torch · eager", f"up {fmt.clock(state.uptime())}",
+                         f"{steps:.1f} steps/s", f"prompt {fmt.count(prompt_tps)} tok/s",
+                         f"gen {fmt.count(gen_tps)} tok/s", "paused · dashboard.jsonl.gz · end · speed ×1"):
                 assert item in rows[0]
             assert "Queues waiting 56 · running 3 · done 12" in rows[1] and "■evicted" in "\n".join(rows)
             assert "Steps  #220 decode · 3 seqs · 3 tok · " in "\n".join(rows)

@@ -23,7 +23,7 @@ from engine.events import (
     Step,
     Tokens,
 )
-from tests.control_plane import FakeEngine, run_workload, workload_engine, workload_events
+from tests.control_plane import HOST_TIER, FakeEngine, host_holders, run_workload, workload_engine, workload_events
 from tui.state import FEED_RUN_IDS, FEED_SIZE, FINISHED_KEPT, BlockState, DashboardState, percentile
 
 
@@ -37,13 +37,16 @@ def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
     return EngineStarted(t=t, step=0, model="/ckpt/tiny", device="cpu", dtype="float32", attention_backend="torch",
                          block_size=16, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64,
                          max_model_len=256, enable_prefix_caching=True, enforce_eager=True,
-                         tensor_parallel_size=1, gpu_memory_utilization=0.9, wall_time=0.0)
+                         tensor_parallel_size=1, gpu_memory_utilization=0.9, num_cpu_blocks=0,
+                         kv_offloading_size=None, kv_offloading_policy="write-through",
+                         preemption_mode="recompute", wall_time=0.0)
 
 
 def step(n: int, t: float, phase: str = "decode", prefill: int = 0, decode: int = 1) -> Step:
     return Step(t=t, step=n, phase=phase, num_seqs=max(1, decode), num_prefill_tokens=prefill,
                 num_decode_tokens=decode, duration_s=0.01, schedule_s=0, prepare_s=0, launch_s=0, wait_s=0,
-                postprocess_s=0, padded_batch_size=None, waiting=0, running=decode, free_blocks=0)
+                postprocess_s=0, padded_batch_size=None, waiting=0, running=decode, free_blocks=0, loading=0,
+                free_cpu_blocks=0)
 
 
 def fed(*events) -> DashboardState:
@@ -58,11 +61,25 @@ def assert_blocks_match(state: DashboardState, engine: FakeEngine) -> None:
     cache_entries = set(bm.hash_to_block_id.values())
     assert state.refcounts == [block.ref_count for block in bm.blocks]
     assert state.cached == [block_id in cache_entries for block_id in range(bm.num_blocks)]
+    tier = engine.scheduler.host_tier
+    if tier is None:
+        assert state.num_cpu_blocks == 0
+        return
+    held = host_holders(engine)
+    assert state.cpu_refcounts == [held.swapped[b] for b in range(tier.num_blocks)]
+    assert [state.cpu_reading[b] for b in range(tier.num_blocks)] == [held.reading[b] for b in range(tier.num_blocks)]
+    assert state.cpu_cached == [b.ready and tier.is_cache_entry(b) for b in tier.blocks]
+    assert state.gpu_loading == held.loading
 
 
+TIERS = {"no tier": {}, "write-through": HOST_TIER, "write-back": {**HOST_TIER, "kv_offloading_policy": "write-back"},
+         "swap": {**HOST_TIER, "preemption_mode": "swap"}}
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
 @pytest.mark.parametrize("overlap", [False, True])
-def test_block_states_track_the_block_manager_exactly_step_by_step(overlap):
-    engine = workload_engine(overlap=overlap, num_kvcache_blocks=12)
+def test_block_states_track_the_block_manager_exactly_step_by_step(overlap, tier):
+    engine = workload_engine(overlap=overlap, num_kvcache_blocks=12, transfer_delay=2, **TIERS[tier])
     state = DashboardState()
     system = list(range(40))
     for i in range(6):
@@ -106,19 +123,19 @@ def test_whole_workload_ends_consistent():
 
 
 def test_block_life_cycle_used_cached_evicted():
-    state = fed(BlockAlloc(t=101, step=1, request_id=1, block_ids=(0, 1), refcounts=(1, 1)))
+    state = fed(BlockAlloc(t=101, step=1, request_id=1, block_ids=(0, 1), refcounts=(1, 1), medium="GPU"))
     assert [state.block_state(b) for b in (0, 1, 2)] == [BlockState.USED, BlockState.USED, BlockState.FREE]
-    state.apply(BlockStored(t=101, step=1, request_id=1, block_ids=(0,), hashes=(11,), parent_hash=-1))
-    state.apply(BlockAlloc(t=102, step=2, request_id=2, block_ids=(0, 2), refcounts=(2, 1)))
+    state.apply(BlockStored(t=101, step=1, request_id=1, block_ids=(0,), hashes=(11,), parent_hash=-1, medium="GPU"))
+    state.apply(BlockAlloc(t=102, step=2, request_id=2, block_ids=(0, 2), refcounts=(2, 1), medium="GPU"))
     assert state.block_state(0) == BlockState.SHARED
-    state.apply(BlockFree(t=103, step=3, request_id=1, block_ids=(1, 0), refcounts=(0, 1)))
-    state.apply(BlockFree(t=103, step=3, request_id=2, block_ids=(2, 0), refcounts=(0, 0)))
+    state.apply(BlockFree(t=103, step=3, request_id=1, block_ids=(1, 0), refcounts=(0, 1), medium="GPU"))
+    state.apply(BlockFree(t=103, step=3, request_id=2, block_ids=(2, 0), refcounts=(0, 0), medium="GPU"))
     assert state.block_state(0) == BlockState.CACHED  # free, but a prefix hit can still revive it
     assert state.block_state(1) == BlockState.FREE
     assert state.kv_usage == 0
-    state.apply(BlockEvict(t=104, step=4, block_id=0, hash=11))
+    state.apply(BlockEvict(t=104, step=4, block_id=0, hash=11, medium="GPU"))
     assert state.feed[-1].category == "evict" and state.feed[-1].text == "evict 1 cached blk: 0"
-    state.apply(BlockAlloc(t=104, step=4, request_id=3, block_ids=(0,), refcounts=(1,)))
+    state.apply(BlockAlloc(t=104, step=4, request_id=3, block_ids=(0,), refcounts=(1,), medium="GPU"))
     state.apply(step(4, 104.0))
     assert state.block_state(0) == BlockState.USED and state.recently_evicted(0)
     assert state.block_counts() == {BlockState.FREE: 7, BlockState.CACHED: 0, BlockState.USED: 1, BlockState.SHARED: 0}
@@ -129,7 +146,7 @@ def test_block_life_cycle_used_cached_evicted():
 def test_request_lifecycle_in_the_table():
     state = fed(
         arrived(7, prompt_tokens=40, max_tokens=5, temperature=0.8),
-        BlockAlloc(t=102, step=1, request_id=7, block_ids=(0, 1, 2), refcounts=(1, 1, 1)),
+        BlockAlloc(t=102, step=1, request_id=7, block_ids=(0, 1, 2), refcounts=(1, 1, 1), medium="GPU"),
         PrefixHit(t=102, step=1, request_id=7, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
         Schedule(t=102, step=1, phase="prefill", request_ids=(7,), num_tokens=(8,), chunked=(False,), waiting=0,
                  running=1, free_blocks=5),
@@ -140,7 +157,7 @@ def test_request_lifecycle_in_the_table():
     state.apply_all([Tokens(t=102.5, step=1, request_ids=(7,), token_ids=(3,)),
                      FirstToken(t=102.5, step=1, request_id=7),
                      Tokens(t=102.75, step=2, request_ids=(7,), token_ids=(4,)),
-                     Preempt(t=103, step=3, request_id=7, num_tokens=42, freed_blocks=3, for_request_id=9)])
+                     Preempt(t=103, step=3, request_id=7, num_tokens=42, freed_blocks=3, for_request_id=9, mode="recompute", cpu_block_ids=())])
     assert (row.state, row.generated, row.preemptions, row.ttft) == ("preempted", 2, 1, 1.5)
     assert list(state.itls) == [0.25]
     assert state.waiting == 1 and state.feed[-1].text == "preempt #7 for #9: 3 blk freed"
@@ -148,7 +165,7 @@ def test_request_lifecycle_in_the_table():
     state.apply(PrefixHit(t=104, step=4, request_id=7, query_tokens=42, hit_tokens=0, hit_block_ids=()))
     assert row.cached_tokens == 32
     state.apply(RequestFinished(t=105, step=5, request_id=7, reason="length", prompt_tokens=40, cached_tokens=32,
-                                output_tokens=5, num_preemptions=1, arrival=101.0, first_scheduled=102.0,
+                                host_cached_tokens=0, output_tokens=5, num_preemptions=1, arrival=101.0, first_scheduled=102.0,
                                 first_token=102.5, last_token=104.5, finished=105.0))
     assert (row.state, row.finished, row.generated, state.num_finished) == ("length", True, 5, 1)
     assert state.table_rows() == [row]
@@ -161,7 +178,7 @@ def test_finished_rows_are_bounded_and_newest_first():
     events.append(arrived(99, prompt_tokens=4, max_tokens=1))
     for rid in range(FINISHED_KEPT + 5):
         events.append(RequestFinished(t=102, step=1, request_id=rid, reason="stop", prompt_tokens=4, cached_tokens=0,
-                                      output_tokens=1, num_preemptions=0, arrival=101.0, first_scheduled=101.5,
+                                      host_cached_tokens=0, output_tokens=1, num_preemptions=0, arrival=101.0, first_scheduled=101.5,
                                       first_token=102.0, last_token=102.0, finished=102.0))
     state = fed(*events)
     rows = state.table_rows()
@@ -175,7 +192,7 @@ def test_timeline_marks_chunks_preemptions_and_graph_replays():
         Schedule(t=101, step=1, phase="prefill", request_ids=(1, 2), num_tokens=(48, 16), chunked=(True, False),
                  waiting=1, running=1, free_blocks=3),
         step(1, 101.1, "prefill", prefill=64, decode=0),
-        Preempt(t=102, step=2, request_id=2, num_tokens=20, freed_blocks=2, for_request_id=1),
+        Preempt(t=102, step=2, request_id=2, num_tokens=20, freed_blocks=2, for_request_id=1, mode="recompute", cpu_block_ids=()),
         CudaGraphReplay(t=102, step=2, batch_size=3, padded_batch_size=4),
         step(2, 102.1, decode=3),
     )
@@ -202,7 +219,7 @@ def test_feed_lists_hits_rejections_and_errors_in_order():
         PrefixHit(t=101, step=1, request_id=1, query_tokens=40, hit_tokens=0, hit_block_ids=()),
         PrefixHit(t=101, step=1, request_id=2, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
         RequestRejected(t=101, step=1, request_id=3, reason="prompt too long", code="invalid"),
-        Preempt(t=102, step=2, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=4),
+        Preempt(t=102, step=2, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=4, mode="recompute", cpu_block_ids=()),
     )
     state.set_error("RuntimeError: boom")
     assert [e.category for e in state.feed] == ["hit", "reject", "preempt", "error"]  # misses stay out
@@ -224,22 +241,22 @@ def test_feed_is_in_step_order_under_asynchronous_scheduling():
 
 def test_a_line_from_a_landing_step_goes_before_the_next_steps_lines():
     # A failed step withdraws its blocks from the cache when it lands, during the next step.
-    state = fed(Preempt(t=102, step=5, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=3),
-                BlockEvict(t=102, step=4, block_id=2, hash=22))
+    state = fed(Preempt(t=102, step=5, request_id=4, num_tokens=9, freed_blocks=1, for_request_id=3, mode="recompute", cpu_block_ids=()),
+                BlockEvict(t=102, step=4, block_id=2, hash=22, medium="GPU"))
     assert [(e.step, e.category) for e in state.feed] == [(4, "evict"), (5, "preempt")]
     # Also into a full feed, which drops its oldest line to make room.
     full = fed(*[PrefixHit(t=101, step=10, request_id=i, query_tokens=32, hit_tokens=16, hit_block_ids=(0,))
                  for i in range(FEED_SIZE)])
-    full.apply(BlockEvict(t=102, step=9, block_id=1, hash=11))
+    full.apply(BlockEvict(t=102, step=9, block_id=1, hash=11, medium="GPU"))
     assert len(full.feed) == FEED_SIZE and [e.step for e in full.feed][:2] == [9, 10]
 
 
 def test_an_eviction_storm_is_one_line_that_leaves_hits_and_preemptions_in_view():
     state = fed(PrefixHit(t=101, step=1, request_id=1, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
-                Preempt(t=101, step=1, request_id=2, num_tokens=9, freed_blocks=1, for_request_id=1))
+                Preempt(t=101, step=1, request_id=2, num_tokens=9, freed_blocks=1, for_request_id=1, mode="recompute", cpu_block_ids=()))
     version = state.feed_version
     for n in range(2, 52):  # every decode step reuses a cached block
-        state.apply(BlockEvict(t=100 + n, step=n, block_id=n % 8, hash=n))
+        state.apply(BlockEvict(t=100 + n, step=n, block_id=n % 8, hash=n, medium="GPU"))
     assert [e.category for e in state.feed] == ["hit", "preempt", "evict"]
     storm = state.feed[-1]
     latest = " ".join(str(n % 8) for n in range(52 - FEED_RUN_IDS, 52))
@@ -247,7 +264,7 @@ def test_an_eviction_storm_is_one_line_that_leaves_hits_and_preemptions_in_view(
     assert state.feed_version == version + 50  # every fold is a change the widget redraws
     # Something else ends the run: the next eviction starts a line of its own.
     state.apply(PrefixHit(t=160, step=60, request_id=3, query_tokens=40, hit_tokens=16, hit_block_ids=(0,)))
-    state.apply(BlockEvict(t=160, step=60, block_id=5, hash=5))
+    state.apply(BlockEvict(t=160, step=60, block_id=5, hash=5, medium="GPU"))
     assert [e.text for e in state.feed][-2:] == ["hit #3 16/40 tok cached", "evict 1 cached blk: 5"]
 
 

@@ -35,6 +35,16 @@ def count(value: float) -> str:
     return f"{value:.1f}"
 
 
+def size(num_bytes: float) -> str:
+    """Bytes in binary units: 512 B, 64 KiB, 1.8 MiB, 12 GiB."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if value >= 10 or unit == "B" else f"{value:.1f} {unit}"
+
+
 def percent(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
 

@@ -13,3 +13,5 @@ GRAPH = "#e070e0"
 WAITING = "#e8a33d"
 HIT = "#3ccf6e"
 REJECT = "#e070e0"
+MOVED = "#4dd0e1"  # a copy between the GPU and the host tier
+SWAPPED = "#e8a33d"

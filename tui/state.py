@@ -9,7 +9,7 @@ recording always draws the same picture; only a live header passes ``now`` in.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -23,6 +23,8 @@ from engine.events import (
     EngineStarted,
     Event,
     FirstToken,
+    HostHit,
+    KVTransfer,
     Preempt,
     PrefixHit,
     RequestArrived,
@@ -31,8 +33,10 @@ from engine.events import (
     Schedule,
     Snapshot,
     Step,
+    SwapIn,
     Tokens,
 )
+from tui import format as fmt
 
 RATE_WINDOW_S = 5.0  # header tok/s and step rate are averaged over this much event time
 BUCKET_S = 0.5  # one sparkline column covers this much event time
@@ -43,6 +47,7 @@ FEED_RUN_IDS = 6  # a folded eviction line names this many of its latest blocks
 LATENCY_SAMPLES = 2000
 FINISHED_KEPT = 12  # finished requests stay in the table this long (rows), newest first
 EVICT_FLASH_STEPS = 6  # an evicted block is marked for this many steps after its eviction
+MOVE_FLASH_STEPS = 6  # a block a copy between the tiers landed in is marked this long
 
 
 class BlockState(IntEnum):
@@ -54,14 +59,23 @@ class BlockState(IntEnum):
     SHARED = 3  # held by several requests (a prefix hit on a block in use)
 
 
+class HostBlockState(IntEnum):
+    """What a host-tier block holds, in the same priority order."""
+
+    FREE = 0
+    CACHED = 1  # a landed copy of a prefix-cache block: a later request can load it
+    SWAPPED = 2  # a preempted request's K/V, until it is swapped back in
+    READING = 3  # being copied to the GPU for a request that waits for it
+
+
 @dataclass(slots=True)
 class RequestRow:
     request_id: int
     prompt_tokens: int
     max_tokens: int
     arrival: float
-    state: str = "waiting"  # waiting, prefill, decode, preempted, then the finish reason
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    state: str = "waiting"  # waiting, loading, prefill, decode, preempted, then the finish reason
+    cached_tokens: int = 0  # prompt tokens not computed at first admission: GPU and host-tier hits
     generated: int = 0
     preemptions: int = 0
     ttft: float | None = None
@@ -83,6 +97,8 @@ class StepRecord:
     graph_replay: bool
     padded_batch_size: int | None
     duration_s: float
+    stored_blocks: int = 0  # blocks whose copies to the host tier landed in this step
+    loaded_blocks: int = 0  # and back to the GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,7 @@ class Run:
 @dataclass(frozen=True, slots=True)
 class FeedEntry:
     step: int  # the step it happened in; a folded line's latest step
-    category: str  # hit, chunk, preempt, evict, reject, error
+    category: str  # hit, chunk, preempt, evict, reject, error; with a host tier also host
     text: str
     run: Run | None = None  # set on a line that like events fold into while it is the newest
 
@@ -109,6 +125,8 @@ class _StepDraft:
     chunks: int = 0
     preemptions: int = 0
     graph_replay: bool = False
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -142,6 +160,18 @@ class DashboardState:
         self.num_evictions = 0
         self.query_tokens = 0
         self.hit_tokens = 0
+        # --- the host tier, when there is one: per host block, the swapped-out requests holding it,
+        # "a landed cache entry", and the loads reading it; GPU blocks a load is writing
+        self.cpu_refcounts: list[int] = []
+        self.cpu_cached: list[bool] = []
+        self.cpu_reading: Counter[int] = Counter()
+        self.gpu_loading: set[int] = set()
+        self.moved_at: dict[tuple[str, int], int] = {}  # (medium, block id) -> step a copy landed in it
+        self.host_hit_tokens = 0
+        self.num_host_evictions = 0
+        self.num_swaps = 0
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
         # --- steps and throughput
         self.timeline: deque[StepRecord] = deque(maxlen=TIMELINE_STEPS)
         self._draft: dict[int, _StepDraft] = {}
@@ -205,6 +235,35 @@ class DashboardState:
         return counts
 
     @property
+    def num_cpu_blocks(self) -> int:
+        return len(self.cpu_refcounts)
+
+    def host_block_state(self, block_id: int) -> HostBlockState:
+        if self.cpu_reading[block_id]:
+            return HostBlockState.READING
+        if self.cpu_refcounts[block_id]:
+            return HostBlockState.SWAPPED
+        return HostBlockState.CACHED if self.cpu_cached[block_id] else HostBlockState.FREE
+
+    def host_block_counts(self) -> dict[HostBlockState, int]:
+        counts = dict.fromkeys(HostBlockState, 0)
+        for block_id in range(self.num_cpu_blocks):
+            counts[self.host_block_state(block_id)] += 1
+        return counts
+
+    def recently_moved(self, medium: str, block_id: int) -> bool:
+        """Whether a copy between the tiers landed in this block within the last few steps."""
+        at = self.moved_at.get((medium, block_id))
+        return at is not None and self.last_step - at < MOVE_FLASH_STEPS
+
+    @property
+    def host_usage(self) -> float:
+        """Host blocks holding something (a cache entry or swapped-out K/V), as a fraction."""
+        if not self.cpu_refcounts:
+            return 0.0
+        return sum(1 for r, c in zip(self.cpu_refcounts, self.cpu_cached) if r or c) / self.num_cpu_blocks
+
+    @property
     def kv_usage(self) -> float:
         return sum(1 for r in self.refcounts if r > 0) / self.num_blocks if self.refcounts else 0.0
 
@@ -218,7 +277,7 @@ class DashboardState:
 
     @property
     def waiting(self) -> int:
-        return self.count("waiting", "preempted")
+        return self.count("waiting", "preempted", "loading")
 
     @property
     def running(self) -> int:
@@ -295,12 +354,18 @@ class DashboardState:
         self.start_t = e.t
         self.refcounts = [0] * e.num_blocks
         self.cached = [False] * e.num_blocks
+        self.cpu_refcounts = [0] * e.num_cpu_blocks
+        self.cpu_cached = [False] * e.num_cpu_blocks
 
     def _on_snapshot(self, e: Snapshot) -> None:
         """A running engine's state, for a dashboard that joined it late: every live request and
         block as they stand; the events after it apply on top."""
         self.refcounts = list(e.refcounts)
         self.cached = list(e.cached)
+        self.cpu_refcounts = list(e.cpu_refcounts)
+        self.cpu_cached = list(e.cpu_cached)
+        self.cpu_reading = +Counter(dict(enumerate(e.cpu_reading)))
+        self.gpu_loading = set(e.loading_block_ids)
         self.requests = {rid: row for rid, row in self.requests.items() if row.finished}
         for i, rid in enumerate(e.request_ids):
             self.requests[rid] = RequestRow(rid, e.prompt_tokens[i], e.max_tokens[i], e.arrivals[i], state=e.states[i],
@@ -329,24 +394,28 @@ class DashboardState:
         if e.hit_tokens:
             self._post(FeedEntry(e.step, "hit", f"hit #{e.request_id} {e.hit_tokens}/{e.query_tokens} tok cached"))
 
-    def _set_refcounts(self, block_ids: tuple[int, ...], refcounts: tuple[int, ...]) -> None:
-        n = len(self.refcounts)
+    def _set_refcounts(self, block_ids: tuple[int, ...], refcounts: tuple[int, ...], medium: str) -> None:
+        pool = self.refcounts if medium == "GPU" else self.cpu_refcounts
         for block_id, ref in zip(block_ids, refcounts):
-            if 0 <= block_id < n:
-                self.refcounts[block_id] = ref
+            if 0 <= block_id < len(pool):
+                pool[block_id] = ref
 
     def _on_block_alloc(self, e: BlockAlloc) -> None:
-        self._set_refcounts(e.block_ids, e.refcounts)
+        self._set_refcounts(e.block_ids, e.refcounts, e.medium)
 
     def _on_block_free(self, e: BlockFree) -> None:
-        self._set_refcounts(e.block_ids, e.refcounts)
+        self._set_refcounts(e.block_ids, e.refcounts, e.medium)
 
     def _on_block_stored(self, e: BlockStored) -> None:
+        cached = self.cached if e.medium == "GPU" else self.cpu_cached
         for block_id in e.block_ids:
-            if 0 <= block_id < len(self.cached):
-                self.cached[block_id] = True
+            if 0 <= block_id < len(cached):
+                cached[block_id] = True
 
     def _on_block_evict(self, e: BlockEvict) -> None:
+        if e.medium != "GPU":
+            self._on_host_evict(e)
+            return
         if 0 <= e.block_id < len(self.cached):
             self.cached[e.block_id] = False
         self.evicted_at[e.block_id] = e.step
@@ -362,6 +431,57 @@ class DashboardState:
         ids = ("… " if run.count > len(run.recent) else "") + " ".join(map(str, run.recent))
         since = f" (since {run.since})" if run.since != e.step else ""
         self._fold(e.step, "evict", run, f"evict {run.count} cached blk: {ids}{since}")
+
+    def _on_host_evict(self, e: BlockEvict) -> None:
+        if 0 <= e.block_id < len(self.cpu_cached):
+            self.cpu_cached[e.block_id] = False
+        self.num_host_evictions += 1
+
+    def _on_host_hit(self, e: HostHit) -> None:
+        row = self.requests.get(e.request_id)
+        if row is not None:
+            if row.state == "waiting":  # a first admission: its host hit counts as cached, as vLLM's
+                row.cached_tokens += e.hit_tokens
+            row.state = "loading"
+        self.host_hit_tokens += e.hit_tokens
+        self._start_load(e.cpu_block_ids, e.gpu_block_ids)
+        self._post(FeedEntry(e.step, "host", f"host hit #{e.request_id} {e.hit_tokens} tok: loading "
+                                             f"{len(e.cpu_block_ids)} blk"))
+
+    def _on_swap_in(self, e: SwapIn) -> None:
+        row = self.requests.get(e.request_id)
+        if row is not None:
+            row.state = "loading"
+        self._start_load(e.cpu_block_ids, e.gpu_block_ids)
+        self._post(FeedEntry(e.step, "host", f"swap in #{e.request_id}: {e.num_tokens} tok from "
+                                             f"{len(e.cpu_block_ids)} host blk"))
+
+    def _start_load(self, cpu_block_ids: tuple[int, ...], gpu_block_ids: tuple[int, ...]) -> None:
+        self.cpu_reading.update(cpu_block_ids)
+        self.gpu_loading.update(gpu_block_ids)
+
+    def _on_transfer(self, e: KVTransfer) -> None:
+        draft = self._draft_for(e.step)
+        n = len(e.gpu_block_ids)
+        if e.transfer_type == "CPU_to_GPU":
+            self.cpu_reading.subtract(e.cpu_block_ids)
+            self.cpu_reading = +self.cpu_reading  # drop the zeros
+            self.gpu_loading.difference_update(e.gpu_block_ids)
+            self.moved_at.update(dict.fromkeys((("GPU", b) for b in e.gpu_block_ids), e.step))
+            self.bytes_loaded += e.num_bytes
+            draft.loaded_blocks += n
+            row = self.requests.get(e.request_id)
+            if row is not None and row.state == "loading":
+                row.state = "prefill"  # admitted, the rest of its prompt still to compute
+            whom = f"#{e.request_id}" if e.request_id is not None else ""
+            self._post(FeedEntry(e.step, "host", f"loaded {whom} {n} blk, {fmt.size(e.num_bytes)} in "
+                                                 f"{e.seconds * 1e3:.2f} ms"))
+            return
+        # Stores get no line: under write-through they land every few steps, and the timeline's ↑
+        # and the block map show them; a swap-out's line is its preemption's.
+        self.moved_at.update(dict.fromkeys((("CPU", b) for b in e.cpu_block_ids), e.step))
+        self.bytes_stored += e.num_bytes
+        draft.stored_blocks += n
 
     def _on_schedule(self, e: Schedule) -> None:
         for request_id in e.request_ids:
@@ -393,7 +513,11 @@ class DashboardState:
         self._draft_for(e.step).preemptions += 1
         # Who it gave way to comes before the detail, which a narrow panel may crop.
         whom = "its own next token" if e.for_request_id == e.request_id else f"#{e.for_request_id}"
-        self._post(FeedEntry(e.step, "preempt", f"preempt #{e.request_id} for {whom}: {e.freed_blocks} blk freed"))
+        detail = f"{e.freed_blocks} blk freed"
+        if e.mode == "swap":
+            self.num_swaps += 1
+            detail += f", {len(e.cpu_block_ids)} swapped to host"
+        self._post(FeedEntry(e.step, "preempt", f"preempt #{e.request_id} for {whom}: {detail}"))
 
     def _on_graph_replay(self, e: CudaGraphReplay) -> None:
         self.num_graph_replays += 1
@@ -406,7 +530,7 @@ class DashboardState:
             del self._draft[stale]
         self.timeline.append(StepRecord(e.step, e.phase, e.num_seqs, e.num_prefill_tokens, e.num_decode_tokens,
                                         draft.chunks, draft.preemptions, draft.graph_replay, e.padded_batch_size,
-                                        e.duration_s))
+                                        e.duration_s, draft.stored_blocks, draft.loaded_blocks))
         self._recent_steps.append((e.t, e.num_prefill_tokens, e.num_decode_tokens))
         while self._recent_steps and self._recent_steps[0][0] <= e.t - RATE_WINDOW_S:
             self._recent_steps.popleft()
@@ -466,6 +590,9 @@ _HANDLERS = {
     RequestArrived: DashboardState._on_arrived,
     RequestRejected: DashboardState._on_rejected,
     PrefixHit: DashboardState._on_prefix_hit,
+    HostHit: DashboardState._on_host_hit,
+    SwapIn: DashboardState._on_swap_in,
+    KVTransfer: DashboardState._on_transfer,
     BlockAlloc: DashboardState._on_block_alloc,
     BlockFree: DashboardState._on_block_free,
     BlockStored: DashboardState._on_block_stored,

@@ -3,8 +3,9 @@
     python tests/data/make_dashboard_recording.py [--steps N] [--num-blocks N]
 
 The tiny preset, the ``mixed`` workload and a pool small enough that prefix hits, chunked
-prefill, evictions and preemptions all happen within a couple of hundred steps. Regenerating
-changes the snapshots: rerun the TUI tests with ``--snapshot-update`` and look at the result.
+prefill, evictions and preemptions all happen within a couple of hundred steps, with a host KV
+tier (write-through, swap preemption) that stores, loads back and swaps. Regenerating changes the
+snapshots: rerun the TUI tests with ``--snapshot-update`` and look at the result.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ OUT = Path(__file__).with_name("dashboard.jsonl.gz")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser, **{**LIVE_DEFAULTS, "num_blocks": 96})
+    add_engine_args(parser, **{**LIVE_DEFAULTS, "num_blocks": 96, "num_host_kvcache_blocks": 192,
+                               "preemption_mode": "swap"})
     add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=220)
     args = parser.parse_args()

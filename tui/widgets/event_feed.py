@@ -1,5 +1,5 @@
-"""The event feed: prefix hits, chunked prefills, preemptions, evictions, rejections and errors,
-newest at the bottom, in step order.
+"""The event feed: prefix hits, chunked prefills, preemptions, evictions, rejections and errors (and
+with a host tier its hits, loads, swaps and stores), newest at the bottom, in step order.
 
 One entry is one line, cropped with an ellipsis where the panel is narrow, so the top row is always
 the start of an entry. The lines are drawn from the state's feed on demand (Textual's line API): a
@@ -23,7 +23,7 @@ from tui.state import DashboardState, FeedEntry
 
 # Evictions are the commonest line and the least news: the cached blocks' colour, not the alarm red.
 STYLES = {"hit": palette.HIT, "chunk": palette.CHUNK, "preempt": f"bold {palette.PREEMPT}", "evict": palette.CACHED,
-          "reject": palette.REJECT, "error": f"bold white on {palette.EVICTED}"}
+          "reject": palette.REJECT, "error": f"bold white on {palette.EVICTED}", "host": palette.MOVED}
 STEP_WIDTH = 6  # right-aligned step number and a space
 
 

@@ -14,8 +14,8 @@ from tui.state import DashboardState, RequestRow
 # (label, key); cells carry their own one-space gap so that 80 columns hold the whole table.
 COLUMNS = (("  id", "id"), (" state", "state"), (" prompt", "prompt"), (" hit", "cached"), (" gen/max", "gen"),
            (" pre", "preempt"), ("  ttft", "ttft"))
-STATE_STYLES = {"waiting": palette.WAITING, "prefill": palette.PREFILL, "decode": palette.DECODE,
-                "preempted": f"bold {palette.PREEMPT}"}
+STATE_STYLES = {"waiting": palette.WAITING, "loading": palette.MOVED, "prefill": palette.PREFILL,
+                "decode": palette.DECODE, "preempted": f"bold {palette.PREEMPT}"}
 
 Cells = tuple[str, str, str, str, str, str, str]
 

@@ -2,7 +2,9 @@
 
 Bar height is tokens computed in the step (log scale, so a 1-token decode is still visible next to
 a 256-token prefill); colour is the phase. The bottom row marks what else happened in the step:
-P a preemption, c a chunked-prefill chunk, g a CUDA-graph replay.
+P a preemption, c a chunked-prefill chunk, g a CUDA-graph replay. With a host tier a row above it
+shows the copies between the tiers that landed in the step, beside the compute: ↑ blocks stored to
+the host, ↓ loaded back, ↕ both.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ PHASE_STYLES = {"prefill": palette.PREFILL, "decode": palette.DECODE}
 MARKS = (("P", f"bold {palette.PREEMPT}"), ("c", f"bold {palette.CHUNK}"), ("g", palette.GRAPH), ("·", palette.FREE))
 LEGEND = (f"[{palette.PREFILL}]█[/] prefill [{palette.DECODE}]█[/] decode  [b {palette.PREEMPT}]P[/] preempt "
           f"[b {palette.CHUNK}]c[/] chunk [{palette.GRAPH}]g[/] graph (log height)")
+HOST_LEGEND = f"  [{palette.MOVED}]↑↓[/] host copies"
+TRANSFERS = {(True, False): "↑", (False, True): "↓", (True, True): "↕", (False, False): " "}
 
 
 def _mark(record: StepRecord) -> tuple[str, str]:
@@ -48,6 +52,7 @@ class StepTimeline(Widget):
 
     def show(self, state: DashboardState) -> None:
         self._state = state
+        self.border_subtitle = LEGEND + (HOST_LEGEND if state.num_cpu_blocks else "")
         if state.timeline:
             last = state.timeline[-1]
             tokens = last.prefill_tokens or last.decode_tokens
@@ -66,7 +71,8 @@ class StepTimeline(Widget):
         width, height = max(1, self.size.width), max(2, self.size.height)
         state = self._state
         records = list(state.timeline)[-width:] if state is not None else []
-        bar_rows = height - 1
+        transfers = state is not None and state.num_cpu_blocks > 0 and height > 2
+        bar_rows = height - 1 - transfers
         levels = bar_rows * (len(BARS) - 1)
         # A fixed scale (the step's token budget) keeps a decode step short next to a full prefill
         # even when no prefill is in view.
@@ -82,6 +88,11 @@ class StepTimeline(Widget):
             for record, h in zip(records, heights):
                 fill = max(0, min(len(BARS) - 1, h - floor))
                 text.append(BARS[fill], style=PHASE_STYLES.get(record.phase, ""))
+            text.append("\n")
+        if transfers:
+            text.append(" " * pad)
+            for record in records:
+                text.append(TRANSFERS[record.stored_blocks > 0, record.loaded_blocks > 0], style=f"bold {palette.MOVED}")
             text.append("\n")
         text.append(" " * pad)
         for record in records:

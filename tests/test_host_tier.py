@@ -1,0 +1,346 @@
+"""The host KV tier: its bookkeeping, its copies, and the engine with it on, against transformers.
+
+Every greedy-equality test forces blocks through the host tier (a GPU pool of a few blocks) and
+asserts that the loads or swap-ins it is about actually happened: equality with no host hit would
+prove nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import Config, ConfigError
+from engine.events import EventBus
+from engine import kv_transfer
+from engine.host_tier import HostTier, TransferResult, TransferSpec
+from engine.kv_transfer import OffloadingHandler, _runs
+from engine.llm_engine import LLM
+from engine.options import add_engine_args, parse_checked
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from tests.control_plane import HOST_TIER, FakeEngine, check_idle, prompt_tokens_for, run_workload
+from tests.reference import hf_greedy
+
+BS = 16
+MAX_TOKENS = 12
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# --- the bookkeeping --------------------------------------------------------------------------------
+
+def cached_seq(bm: BlockManager, tokens: list[int]) -> Sequence:
+    """A request whose full blocks the GPU cache has just computed and hashed."""
+    seq = Sequence(tokens, SamplingParams(), BS, 0.0)
+    bm.allocate(seq, [])
+    bm.hash_blocks(seq, len(tokens))
+    seq.num_cached_tokens = len(tokens)
+    return seq
+
+
+def tier_and_pool(num_host_blocks: int, staging: int = 8, policy: str = "write-through"):
+    events: list = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    bm = BlockManager(16, BS, events=bus, offload_policy=policy)
+    return HostTier(num_host_blocks, BS, staging, bus), bm, events
+
+
+def land(tier: HostTier, specs) -> None:
+    tier.complete([TransferResult(s.job_id, len(s.gpu_block_ids) * 100, 1e-3) for s in specs])
+
+
+def test_a_stored_block_is_a_hit_only_once_its_copy_has_landed():
+    tier, bm, events = tier_and_pool(8)
+    seq = cached_seq(bm, prompt_tokens_for(3 * BS, 1))
+    specs = tier.take_transfers(bm)
+    assert [s.store for s in specs] == [True] and len(specs[0].gpu_block_ids) == 3
+    probe = Sequence(seq.token_ids + [5], SamplingParams(), BS, 0.0)
+    probe.block_hashes = list(seq.block_hashes)
+    assert tier.lookup(probe, 0, 3) == []  # in flight: not yet a hit
+    land(tier, specs)
+    assert tier.lookup(probe, 0, 3) == list(specs[0].cpu_block_ids)
+    assert tier.lookup(probe, 1, 3) == list(specs[0].cpu_block_ids[1:])
+    stored = [e for e in events if e.kind == "block_stored" and e.medium == "CPU"]
+    assert len(stored) == 1 and stored[0].block_ids == specs[0].cpu_block_ids and stored[0].parent_hash == -1
+    transfer = next(e for e in events if e.kind == "kv_transfer")
+    assert (transfer.transfer_type, transfer.reason, transfer.num_bytes) == ("GPU_to_CPU", "write-through", 300)
+    # Another copy of the same blocks is not stored twice.
+    assert tier.take_transfers(bm) == []
+
+
+def test_eviction_takes_empty_blocks_then_the_least_recently_used_and_never_a_held_one():
+    tier, bm, events = tier_and_pool(4)
+    first = cached_seq(bm, prompt_tokens_for(2 * BS, 1))
+    land(tier, tier.take_transfers(bm))
+    second = cached_seq(bm, prompt_tokens_for(2 * BS, 2))
+    land(tier, tier.take_transfers(bm))
+    assert not [e for e in events if e.kind == "block_evict" and e.medium == "CPU"]  # the empty ones went first
+    first_blocks = tier.lookup(first, 0, 2)
+    tier.load(first, first_blocks, [9, 10], "load")  # held by a copy in flight: cannot be evicted
+    cached_seq(bm, prompt_tokens_for(2 * BS, 3))
+    land(tier, tier.take_transfers(bm))
+    evicted = {e.block_id for e in events if e.kind == "block_evict" and e.medium == "CPU"}
+    assert evicted == set(tier.lookup(second, 0, 2)) or not tier.lookup(second, 0, 2)
+    assert evicted.isdisjoint(first_blocks) and tier.lookup(first, 0, 2) == first_blocks
+
+
+def test_write_through_waits_for_staging_and_write_back_drops_what_does_not_fit():
+    tier, bm, _ = tier_and_pool(16, staging=2)
+    cached_seq(bm, prompt_tokens_for(3 * BS, 1))
+    specs = tier.take_transfers(bm)
+    assert len(specs[0].gpu_block_ids) == 2 and tier.staging_free == 0
+    assert tier.take_transfers(bm) == []  # the third waits for the staging
+    land(tier, specs)
+    assert len(tier.take_transfers(bm)[0].gpu_block_ids) == 1
+
+    tier, bm, _ = tier_and_pool(16, staging=1, policy="write-back")
+    seq = cached_seq(bm, prompt_tokens_for(3 * BS, 1))
+    bm.deallocate(seq)
+    hog = Sequence(prompt_tokens_for(16 * BS, 9), SamplingParams(), BS, 0.0)
+    bm.allocate(hog, [])  # takes every block: the three cached ones are evicted now
+    specs = tier.take_transfers(bm)
+    assert [len(s.gpu_block_ids) for s in specs] == [1] and tier.dropped_stores == 2
+
+
+def test_swap_out_needs_free_host_blocks_and_staging():
+    tier, bm, events = tier_and_pool(4, staging=2)
+    seq = cached_seq(bm, prompt_tokens_for(2 * BS, 1))
+    assert not tier.can_swap_out(3) and tier.can_swap_out(2)
+    entry = tier.swap_out(seq, seq.block_table[:2], 2 * BS)
+    assert not tier.can_swap_out(1)  # the staging is taken until the store lands
+    specs = tier.take_transfers(bm)
+    assert specs[0].cpu_block_ids == tuple(entry.cpu_block_ids)
+    land(tier, specs)
+    assert entry.landed and tier.num_used_blocks >= 2
+    tier.release_swap(seq, entry)
+    assert tier.num_swap_blocks == 0 and len(tier.free) == 4
+    assert [e.medium for e in events if e.kind in ("block_alloc", "block_free") and e.medium == "CPU"] == ["CPU", "CPU"]
+
+
+def test_a_swapped_request_aborted_before_its_store_lands_frees_the_blocks_when_it_does():
+    tier, bm, _ = tier_and_pool(4)
+    seq = cached_seq(bm, prompt_tokens_for(2 * BS, 1))
+    entry = tier.swap_out(seq, seq.block_table[:2], 2 * BS)
+    seq.swapped = entry
+    specs = tier.take_transfers(bm)
+    tier.release_swap(seq, entry)
+    assert tier.num_swap_blocks == 2  # still being written: not free yet
+    land(tier, specs)
+    assert tier.num_swap_blocks == 0 and len(tier.free) == 4
+
+
+# --- the copies ---------------------------------------------------------------------------------------
+
+def test_runs_group_consecutive_ids():
+    assert _runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert _runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
+
+
+def test_blocks_stored_and_loaded_back_are_bit_identical(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 3, 10, BS, 2, 8, generator=gen)  # [2, layers, blocks, block_size, heads, head_dim]
+    original = kv.clone()
+    block_bytes = 2 * 3 * BS * 2 * 8 * 4
+    monkeypatch.setattr(kv_transfer, "LOAD_STAGING_BYTES", 2 * block_bytes)  # a load goes through in chunks
+    handler = OffloadingHandler(kv, num_host_blocks=6, store_slots=3)
+    handler.submit([TransferSpec(0, True, (7, 2), (4, 5)), TransferSpec(1, True, (3,), (0,))])
+    results = handler.poll()
+    assert [r.job_id for r in results] == [0, 1] and results[0].num_bytes == 2 * handler.block_bytes
+    assert handler.block_bytes == block_bytes and len(handler.load_staging) == 2
+    assert torch.equal(handler.host[4], original[:, :, 7]) and torch.equal(handler.host[0], original[:, :, 3])
+    kv.zero_()
+    handler.submit([TransferSpec(2, False, (1, 8, 9), (4, 5, 0))])  # more blocks than the load staging
+    assert [r.job_id for r in handler.drain()] == [2]
+    for gpu, source in ((1, 7), (8, 2), (9, 3)):
+        assert torch.equal(kv[:, :, gpu], original[:, :, source])
+    assert kv[:, :, [0, 2, 3, 4, 5, 6, 7]].abs().sum() == 0  # nothing else was written
+
+
+# --- the engine, against transformers ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def turns() -> list[list[list[int]]]:
+    """Three turns of five conversations: each turn's prompt is the last one plus new tokens (the
+    outputs are appended by the test, from the reference)."""
+    rng = random.Random(7)
+    return [[[rng.randrange(4000) for _ in range(n)] for n in lengths]
+            for lengths in ([40, 35, 50, 20, 33], [9, 12, 5, 17, 8], [6, 11, 3, 9, 14])]
+
+
+def conversation(hf_model, turns) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """Each turn's prompts (history + new tokens) and transformers' greedy answers."""
+    history = [[] for _ in turns[0]]
+    prompts, answers = [], []
+    for new in turns:
+        prompts.append([h + n for h, n in zip(history, new)])
+        answers.append(hf_greedy(hf_model, prompts[-1], MAX_TOKENS))
+        history = [p + a for p, a in zip(prompts[-1], answers[-1])]
+    return prompts, answers
+
+
+@pytest.fixture(scope="module")
+def chat(hf_model, turns):
+    return conversation(hf_model, turns)
+
+
+TIER_SETTINGS = {
+    "write-through": {"kv_offloading_policy": "write-through"},
+    "write-back": {"kv_offloading_policy": "write-back"},
+    "swap": {"preemption_mode": "swap", "num_kvcache_blocks": 9},
+    "swap-no-prefix-cache": {"preemption_mode": "swap", "num_kvcache_blocks": 9, "enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("name", list(TIER_SETTINGS))
+def test_multi_turn_greedy_tokens_equal_transformers_through_the_host_tier(name, tiny_checkpoint, chat):
+    prompts, answers = chat
+    settings = {"kvcache_block_size": BS, "num_kvcache_blocks": 14, "num_host_kvcache_blocks": 96,
+                **TIER_SETTINGS[name]}
+    llm = LLM(str(tiny_checkpoint), **settings)
+    events: list = []
+    llm.events.subscribe(events.append)
+    for turn, expected in zip(prompts, answers):
+        assert [o["token_ids"] for o in llm.generate(turn, greedy(), use_tqdm=False)] == expected
+    kinds = Counter(e.kind for e in events)
+    loads = [e for e in events if e.kind == "kv_transfer" and e.transfer_type == "CPU_to_GPU"]
+    if name.startswith("swap"):
+        assert kinds["swap_in"] > 0 and any(e.reason == "swap-in" for e in loads)
+        assert any(e.kind == "preempt" and e.mode == "swap" for e in events)
+    if "no-prefix-cache" in name:
+        assert kinds["host_hit"] == 0  # no hashes, no host cache: the tier serves swap only
+    else:
+        # Later turns find their history in the host tier (the GPU pool holds a fraction of it).
+        hits = [e for e in events if e.kind == "host_hit"]
+        assert hits and sum(e.hit_tokens for e in hits) >= 3 * BS
+        assert sum(len(e.gpu_block_ids) for e in loads if e.reason == "load") == sum(len(e.cpu_block_ids) for e in hits)
+    # Loaded tokens were not computed: the prompt tokens computed plus those served from either
+    # cache are exactly the prompts, once each.
+    finished = [e for e in events if e.kind == "request_finished"]
+    assert sum(e.host_cached_tokens for e in finished) == sum(e.hit_tokens for e in events if e.kind == "host_hit"
+                                                              and not _readmitted(events, e))
+    for transfer in (e for e in events if e.kind == "kv_transfer"):
+        assert transfer.num_bytes == len(transfer.gpu_block_ids) * llm.model_runner.offload.block_bytes
+    llm.reset_prefix_cache()
+    tier = llm.scheduler.host_tier
+    assert not tier.jobs and tier.num_used_blocks == 0 and len(tier.free) == tier.num_blocks
+    assert len(llm.scheduler.block_manager.free_block_ids) == llm.config.num_kvcache_blocks
+
+
+def _readmitted(events: list, hit) -> bool:
+    """Whether ``hit`` came at a re-admission (after a preemption), which vLLM does not count."""
+    first = next(e for e in events if e.kind == "prefix_hit" and e.request_id == hit.request_id)
+    return hit.t > first.t and any(e.kind == "prefix_hit" and e.request_id == hit.request_id and first.t < e.t <= hit.t
+                                   for e in events)
+
+
+def test_the_tier_makes_later_turns_compute_less(tiny_checkpoint, chat):
+    """Host hits replace recomputed prefill tokens one for one."""
+    prompts, _ = chat
+    computed = {}
+    for tier in (0, 96):
+        llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=14, num_host_kvcache_blocks=tier)
+        steps: list = []
+        llm.events.subscribe(lambda e: steps.append(e) if e.kind in ("step", "host_hit") else None)
+        for turn in prompts:
+            llm.generate(turn, greedy(), use_tqdm=False)
+        computed[tier] = sum(e.num_prefill_tokens for e in steps if e.kind == "step")
+        loaded = sum(e.hit_tokens for e in steps if e.kind == "host_hit")
+    assert loaded > 0 and computed[0] - computed[96] == loaded
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_copy_lands(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=32)
+    prompt = prompt_tokens_for(3 * BS + 5, 1)
+    llm.generate([prompt], greedy(4), use_tqdm=False)
+    llm.generate([prompt_tokens_for(7 * BS, 2)], greedy(4), use_tqdm=False)  # evicts the first from the GPU
+    request = llm.add_request(prompt, greedy(4))
+    llm.step()  # admitted with a host hit: loading
+    seq = llm.scheduler.loading[0]
+    assert seq.seq_id == request and len(seq.block_table) == 4
+    assert llm.abort_request(request) and llm.is_finished()
+    held = [b for b in llm.scheduler.block_manager.blocks if b.ref_count]
+    assert len(held) == 4  # the copy into them is still in flight
+    llm.step()  # it lands: now they go
+    assert all(b.ref_count == 0 for b in llm.scheduler.block_manager.blocks)
+    assert not llm.scheduler.host_tier.jobs and all(b.ref_count == 0 for b in llm.scheduler.host_tier.blocks)
+
+
+def test_a_tier_too_small_to_swap_into_falls_back_to_recompute(tiny_checkpoint, prompts_for_preemption):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=9, num_host_kvcache_blocks=1,
+              preemption_mode="swap")
+    events: list = []
+    llm.events.subscribe(events.append)
+    llm.generate(prompts_for_preemption, greedy(20), use_tqdm=False)
+    modes = {e.mode for e in events if e.kind == "preempt"}
+    assert modes == {"recompute"}
+
+
+@pytest.fixture(scope="module")
+def prompts_for_preemption() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(4000) for _ in range(n)] for n in (5, 17, 40, 64, 33)]
+
+
+# --- configuration --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kv_offloading_size": 1.0, "num_host_kvcache_blocks": 4}, "both size the host tier: give one of them"),
+    ({"preemption_mode": "swap"}, "swap needs the host tier"),
+    ({"num_host_kvcache_blocks": 4, "tensor_parallel_size": 2}, "does not run with tensor parallelism yet"),
+    ({"kv_offloading_policy": "lazy"}, "must be one of write-through, write-back"),
+    ({"kv_offloading_size": -1.0}, "must be a size in GiB"),
+])
+def test_bad_tier_configuration_is_refused_naming_the_field(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**settings)
+
+
+def test_the_tier_options_parse_and_name_the_flag_in_errors():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parse_checked(parser, ["--num-host-kvcache-blocks", "64", "--kv-offloading-policy", "write-back",
+                                  "--preemption-mode", "swap"])
+    assert (args.num_host_kvcache_blocks, args.kv_offloading_policy, args.preemption_mode) == (64, "write-back", "swap")
+    with pytest.raises(SystemExit):
+        parse_checked(parser, ["--kv-offloading-size", "1", "--num-host-kvcache-blocks", "4"])  # argparse: exclusive
+
+
+def test_usage_error_for_swap_without_a_tier(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_checked(parser, ["--preemption-mode", "swap"])
+    assert exit_info.value.code == 2
+    assert "error: --preemption-mode 'swap' is invalid: swap needs the host tier" in capsys.readouterr().err
+
+
+def test_a_size_in_gib_becomes_blocks(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, kv_offloading_size=0.001)
+    block_bytes = llm.model_runner.block_bytes
+    assert llm.config.num_host_kvcache_blocks == int(0.001 * 2**30) // block_bytes > 0
+    assert len(llm.scheduler.host_tier.blocks) == llm.config.num_host_kvcache_blocks
+
+
+# --- the control plane under the fake model --------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("delay", [0, 2])
+def test_the_workload_leaves_both_tiers_empty(policy, mode, delay):
+    engine = FakeEngine(overlap=True, transfer_delay=delay, kvcache_block_size=BS, num_kvcache_blocks=16,
+                        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                        kv_offloading_policy=policy, preemption_mode=mode, **HOST_TIER)
+    run_workload(engine, rounds=2)
+    check_idle(engine)
