@@ -14,6 +14,7 @@ there, so the host never waits for a step before launching the next.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from engine.config import Config
+from engine.config import Config, ConfigError
 from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
@@ -215,8 +216,21 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         if config.host_tier_enabled:
-            self.offload = OffloadingHandler(self.kv_cache, config.num_host_kvcache_blocks,
-                                             config.kv_offloading_staging_blocks)
+            self.offload = self._allocate_host_tier()
+
+    def _allocate_host_tier(self) -> OffloadingHandler:
+        config = self.config
+        host_bytes = config.num_host_kvcache_blocks * self.block_bytes
+        what = f"the host KV tier ({config.num_host_kvcache_blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
+        fix = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
+        # Checked first: an unpinned allocation past physical memory succeeds, and fails only when touched.
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if host_bytes > physical:
+            raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
+        try:
+            return OffloadingHandler(self.kv_cache, config.num_host_kvcache_blocks, config.kv_offloading_staging_blocks)
+        except RuntimeError as exc:  # pinned memory has limits of its own
+            raise ConfigError(f"{what} could not be allocated ({str(exc).splitlines()[0]}): {fix}") from exc
 
     # --- inputs -------------------------------------------------------------------------------
 

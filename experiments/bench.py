@@ -1,7 +1,7 @@
 """The yardstick: nano-vllm's bench.py workload, with the memory-bandwidth floor measured in the same run.
 
     python experiments/bench.py --preset qwen3-0.6b [--peer hf] [--no-telemetry] [--enforce-eager]
-        [--ab telemetry|async-scheduling --ab-runs 5] [--profile]
+        [--ab telemetry|async-scheduling|host-tier --ab-runs 5] [--profile]
 
 256 requests (prompts U[100,1024] of ids U[0,10000], outputs U[100,1024], temperature 0.6,
 ignore_eos), one warm-up call, throughput = output tokens / wall time of the timed ``generate``. The
@@ -9,7 +9,9 @@ floor: every decode step reads all weights and each running request's K/V once, 
 bandwidth measured here; throughput is reported as a share of it. ``--peer hf`` runs the same
 workload on transformers' continuous batching, same weights, same process, and prints the ratio.
 ``--ab`` then alternates runs with a feature on and off on the same engine (this machine's drift
-hits both arms alike); ``--profile`` lists where the GPU time of full-batch decode steps goes.
+hits both arms alike; ``host-tier`` needs a tier, ``--kv-offloading-size``, and takes it away for
+the off arm, staging and pool sizes unchanged); ``--profile`` lists where the GPU time of
+full-batch decode steps goes.
 With telemetry on, every decode step is also set against its own floor, in batch ranges that
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
 with the batch.
@@ -24,6 +26,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -183,7 +187,8 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
                 if args.ab == "async-scheduling":
                     llm.config.async_scheduling = on
                 telemetry = on if args.ab == "telemetry" else not args.no_telemetry
-                runs[on].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
+                with host_tier_detached(llm, args.ab == "host-tier" and not on):
+                    runs[on].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
         llm.config.async_scheduling = not args.no_async_scheduling
         on, off = statistics.median(runs[True]), statistics.median(runs[False])
         result["ab"] = {"feature": args.ab, "on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
@@ -192,6 +197,23 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
         progress("profiling")
         result["profile"] = profile_steps(llm, prompts, params)
     return result, llm
+
+
+@contextmanager
+def host_tier_detached(llm, detach: bool) -> Iterator[None]:
+    """The engine as if it had no host tier (``detach``): what the tier's code path costs a run that
+    never hits it. Taken off and put back between runs, when no copy is in flight."""
+    if not detach:
+        yield
+        return
+    runner, scheduler = llm.model_runner, llm.scheduler
+    llm.reset_prefix_cache()  # lands every copy and forgets both tiers
+    parts = runner.offload, scheduler.host_tier, scheduler.block_manager.offload_policy
+    runner.offload = scheduler.host_tier = scheduler.block_manager.offload_policy = None
+    try:
+        yield
+    finally:
+        runner.offload, scheduler.host_tier, scheduler.block_manager.offload_policy = parts
 
 
 def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> list[dict]:
@@ -280,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("hf",), help="also run transformers' continuous batching")
     parser.add_argument("--no-telemetry", action="store_true", help="no Prometheus exporter or recorder attached")
     parser.add_argument("--record", type=Path, help="where the recording goes (default: a temporary file)")
-    parser.add_argument("--ab", choices=("telemetry", "async-scheduling"),
+    parser.add_argument("--ab", choices=("telemetry", "async-scheduling", "host-tier"),
                         help="then alternate runs with this feature on and off, on the same engine")
     parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="then profile the GPU time of 20 full-batch decode steps")
@@ -290,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         on_gpu = torch.cuda.is_available() and args.device != "cpu"
         if args.profile and not on_gpu:
             raise OptionError("--profile measures GPU kernels: it needs CUDA")
+        if args.ab == "host-tier" and not (args.kv_offloading_size or args.num_host_kvcache_blocks):
+            raise OptionError("--ab host-tier compares a host tier with none: give it one (--kv-offloading-size GIB)")
         if not torch.cuda.is_available() and args.device != "cpu":
             raise OptionError(cpu_refusal(args))
         return run(args)

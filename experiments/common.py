@@ -32,6 +32,7 @@ from matplotlib.ticker import MaxNLocator
 from engine.events import (
     Event,
     FirstToken,
+    HostHit,
     Preempt,
     PrefixHit,
     RequestArrived,
@@ -39,6 +40,7 @@ from engine.events import (
     RequestRejected,
     Schedule,
     Step,
+    SwapIn,
     Tokens,
 )
 from engine.live import run_virtual
@@ -165,15 +167,16 @@ class Admission:
     request_id: int
     step: int
     query_tokens: int  # tokens to have in the cache: the prompt, plus the output after a preemption
-    hit_tokens: int
+    hit_tokens: int  # found in the GPU prefix cache
     hit_blocks: int
     readmission: bool
+    loaded_tokens: int = 0  # copied in from the host tier (a host hit, or a swap-in)
     prefill_tokens: int = 0  # tokens its prefill steps computed
     chunk_steps: list[int] = field(default_factory=list)  # the steps that computed them
 
     @property
     def complete(self) -> bool:
-        return self.hit_tokens + self.prefill_tokens == self.query_tokens
+        return self.hit_tokens + self.loaded_tokens + self.prefill_tokens == self.query_tokens
 
 
 def admissions(events: Iterable[Event]) -> list[Admission]:
@@ -185,6 +188,10 @@ def admissions(events: Iterable[Event]) -> list[Admission]:
                             readmission=e.request_id in current)
             current[e.request_id] = adm
             result.append(adm)
+        elif type(e) is HostHit:
+            current[e.request_id].loaded_tokens += e.hit_tokens
+        elif type(e) is SwapIn:
+            current[e.request_id].loaded_tokens += e.num_tokens
         elif type(e) is Schedule and e.phase == "prefill":
             for rid, n in zip(e.request_ids, e.num_tokens):
                 current[rid].prefill_tokens += n
@@ -205,6 +212,8 @@ class RunningQueue:
     def apply(self, e: Event) -> None:
         if type(e) is PrefixHit:
             self._to_compute[e.request_id] = e.query_tokens - e.hit_tokens
+        elif type(e) in (HostHit, SwapIn):
+            self._to_compute[e.request_id] -= e.hit_tokens if type(e) is HostHit else e.num_tokens
         elif type(e) is Schedule and e.phase == "prefill":
             for rid, n in zip(e.request_ids, e.num_tokens):
                 self._to_compute[rid] -= n

@@ -13,7 +13,17 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.events import EngineStarted, Event, RequestArrived, RequestFinished, RequestRejected, Tokens
+from engine.events import (
+    EngineStarted,
+    Event,
+    HostHit,
+    KVTransfer,
+    Preempt,
+    RequestArrived,
+    RequestFinished,
+    RequestRejected,
+    Tokens,
+)
 from telemetry.event_queue import Consumer
 from telemetry.recorder import EventRecorder
 
@@ -29,12 +39,19 @@ class RunSummary(Consumer):
         self.aborted_at_stop = 0
         self.rejected: Counter[str] = Counter()  # by rejection code
         self.tokens = 0
+        self.host_tier = False
+        self.host_hit_tokens = 0
+        self.swaps = 0
+        self.moved = Counter()  # bytes by transfer type
         self._handlers: dict[type[Event], Callable[[Any], None]] = {
             EngineStarted: self._on_engine_started,
             RequestArrived: self._on_arrived,
             RequestFinished: self._on_finished,
             RequestRejected: self._on_rejected,
             Tokens: self._on_tokens,
+            HostHit: self._on_host_hit,
+            Preempt: self._on_preempt,
+            KVTransfer: self._on_transfer,
         }
         super().__init__()
 
@@ -50,6 +67,7 @@ class RunSummary(Consumer):
 
     def _on_engine_started(self, e: EngineStarted) -> None:
         self.started = e.t
+        self.host_tier = e.num_cpu_blocks > 0
 
     def _on_arrived(self, e: RequestArrived) -> None:
         self.arrived += 1
@@ -66,6 +84,15 @@ class RunSummary(Consumer):
     def _on_tokens(self, e: Tokens) -> None:
         self.tokens += len(e.token_ids)
 
+    def _on_host_hit(self, e: HostHit) -> None:
+        self.host_hit_tokens += e.hit_tokens
+
+    def _on_preempt(self, e: Preempt) -> None:
+        self.swaps += e.mode == "swap"
+
+    def _on_transfer(self, e: KVTransfer) -> None:
+        self.moved[e.transfer_type] += e.num_bytes
+
     def lines(self, consumers: Sequence[Consumer] = ()) -> list[str]:
         """The summary, once the run has stopped and its consumers are closed (their counts final);
         empty when no engine ever started. A recorder among ``consumers`` is named with its count."""
@@ -78,6 +105,10 @@ class RunSummary(Consumer):
                  f"  aborted    {self.aborted_at_stop:,} still in flight when the run stopped",
                  f"  rejected   {sum(self.rejected.values()):,}{_breakdown(self.rejected)}",
                  f"  tokens     {self.tokens:,} generated"]
+        if self.host_tier:
+            lines.append(f"  host tier  {self.host_hit_tokens:,} prompt tokens loaded instead of computed, "
+                         f"{self.swaps:,} swaps; {self.moved['GPU_to_CPU'] / 2**20:,.1f} MiB stored, "
+                         f"{self.moved['CPU_to_GPU'] / 2**20:,.1f} MiB loaded")
         for consumer in consumers:
             if isinstance(consumer, EventRecorder):
                 lines.append(f"  recording  {consumer.path}: {consumer.events_written:,} events"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments import bench
+from experiments import bench, kv_offload_bench
 from experiments.bench import decode_by_batch, decode_floor, decode_step_reads, weight_bytes_per_step
 from models.checkpoint import PRESETS
 
@@ -77,3 +77,27 @@ def test_a_cpu_run_shows_its_progress(tiny_checkpoint, capsys):
     assert phases[3].startswith("bench: timed run: 1 requests, ")
     assert "Generating" in err  # the engine's progress bar during the timed run
     assert out.startswith("glassbox: ") and "(CPU: no bandwidth floor)" in out
+
+
+def test_the_host_tier_ab_needs_a_tier(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cpu", "--ab", "host-tier"])
+    assert exit_info.value.code == 2
+    assert "--ab host-tier compares a host tier with none: give it one" in capsys.readouterr().err
+
+
+def test_a_cpu_run_of_the_host_tier_ab_alternates_the_arms(tiny_checkpoint, capsys):
+    argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--num-requests", "1", "--ab", "host-tier",
+            "--ab-runs", "1", "--num-host-kvcache-blocks", "64", "--block-size", "16"]
+    assert bench.main(argv) == 0
+    assert "bench: --ab host-tier: runs 1 of 1, on and off" in capsys.readouterr().err
+
+
+def test_the_tier_benchmark_runs_on_the_cpu(tiny_checkpoint, capsys):
+    """A smoke run of experiments/kv_offload_bench.py: small and on the CPU, it measures nothing."""
+    argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--blocks", "4", "--iters", "1", "--conversations",
+            "2", "--turns", "2", "--turn-tokens", "64", "--answer-tokens", "4", "--kv-offloading-size", "0.01"]
+    assert kv_offload_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "store (GPU to CPU)" in out and "load (CPU to GPU)" in out
+    assert "recompute:" in out and "write-through:" in out

@@ -344,3 +344,30 @@ def test_the_workload_leaves_both_tiers_empty(policy, mode, delay):
                         kv_offloading_policy=policy, preemption_mode=mode, **HOST_TIER)
     run_workload(engine, rounds=2)
     check_idle(engine)
+
+
+def test_a_tier_larger_than_the_machine_is_refused_before_it_is_allocated(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="is larger than this machine's memory .* give it less"):
+        LLM(str(tiny_checkpoint), kvcache_block_size=BS, kv_offloading_size=2.0**20)
+
+
+def test_the_run_summary_counts_the_tier():
+    from telemetry.summary import RunSummary
+
+    engine = FakeEngine(overlap=True, kvcache_block_size=BS, num_kvcache_blocks=16, max_num_seqs=4,
+                        max_num_batched_tokens=64, max_model_len=256, preemption_mode="swap", **HOST_TIER)
+    run_workload(engine)
+    summary = RunSummary()
+    for e in engine.events:
+        summary.handle(e)
+    line, = [line for line in summary.lines() if line.startswith("  host tier")]
+    events = engine.events
+    hits = sum(e.hit_tokens for e in events if e.kind == "host_hit")
+    swaps = sum(e.kind == "preempt" and e.mode == "swap" for e in events)
+    moved = Counter()
+    for e in events:
+        if e.kind == "kv_transfer":
+            moved[e.transfer_type] += e.num_bytes
+    assert swaps > 0 and moved["GPU_to_CPU"] > 0 and moved["CPU_to_GPU"] > 0
+    assert line == (f"  host tier  {hits:,} prompt tokens loaded instead of computed, {swaps:,} swaps; "
+                    f"{moved['GPU_to_CPU'] / 2**20:,.1f} MiB stored, {moved['CPU_to_GPU'] / 2**20:,.1f} MiB loaded")

@@ -32,11 +32,11 @@ from engine.events import (
     Step,
     Tokens,
 )
-from experiments import chunked_prefill, common, continuous_batching, preemption, prefix_cache
+from experiments import chunked_prefill, common, continuous_batching, kv_offload, preemption, prefix_cache
 from telemetry.recorder import EventRecorder
 
 REPO = Path(__file__).resolve().parents[1]
-LABS = [prefix_cache, chunked_prefill, preemption, continuous_batching]
+LABS = [prefix_cache, chunked_prefill, preemption, continuous_batching, kv_offload]
 
 
 @pytest.fixture(autouse=True)

@@ -52,3 +52,13 @@ def test_the_readme_serving_snippet_talks_to_the_server(tiny_checkpoint, tmp_pat
                                 cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "<|filler_" in result.stdout  # both answers printed: random weights speak in filler tokens
+
+
+def test_the_readme_host_tier_snippet_prints_what_the_readme_says(tiny_checkpoint, tmp_path):
+    section = (REPO / "README.md").read_text().split("## A second KV tier in host memory", 1)[1].split("\n## ", 1)[0]
+    snippet, = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    promised, = re.findall(r"It prints `([^`]+)`", section)
+    result = subprocess.run([sys.executable, "-c", snippet.replace(README_CHECKPOINT, str(tiny_checkpoint))],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == promised
