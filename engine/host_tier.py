@@ -18,7 +18,7 @@ it. Either way the copy's gather runs on the compute stream before any later ste
 next owner cannot overwrite it first. Stores wait in GPU staging for the link (``staging_blocks``);
 a store that finds the staging full is not made now: a write-through one waits for a later step
 while its GPU block still holds it, a write-back one is dropped (the block is lost, as without a
-tier) and counted.
+tier).
 
 Loads. An admission whose prefix continues in the host tier gets GPU blocks for its whole prompt; the
 host part is copied into them while the request waits (``loading``, vLLM's ``WAITING_FOR_REMOTE_KVS``)
@@ -34,7 +34,7 @@ the store has landed); without room in the tier or in the staging it is preempte
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import NO_HASH, BlockManager, OffloadCandidate
@@ -94,8 +94,9 @@ class OffloadJob:
 
 
 class HostTier:
-    def __init__(self, num_blocks: int, block_size: int, staging_blocks: int, events: EventBus | None = None) -> None:
-        self.block_size = block_size
+    def __init__(self, num_blocks: int, staging_blocks: int, policy: str = "write-through",
+                 events: EventBus | None = None) -> None:
+        self.policy = policy
         self.events = events or EventBus()
         self.blocks = [HostBlock(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -110,9 +111,8 @@ class HostTier:
         # Jobs decided since the last ``take_transfers``, by direction.
         self._stores: list[TransferSpec] = []
         self._loads: list[TransferSpec] = []
-        # Write-through stores that found the staging full, oldest first.
-        self._deferred: list[OffloadCandidate] = []
-        self.dropped_stores = 0  # write-back stores not made for want of staging
+        # Write-through stores waiting for staging, oldest first (checked only when there is room).
+        self._deferred: deque[OffloadCandidate] = deque()
 
     @property
     def num_blocks(self) -> int:
@@ -230,36 +230,35 @@ class HostTier:
         blocks the GPU cache offered (``block_manager.offload_candidates``) as far as staging and
         free host blocks allow, then loads. A load may write a block the GPU evicted this step, so
         the store that gathers the block's old contents must be issued before it."""
-        candidates = self._deferred + block_manager.offload_candidates
-        block_manager.offload_candidates = []
-        self._deferred = []
-        store_gpu: list[int] = []
-        store_cpu: list[int] = []
-        stored: list[OffloadCandidate] = []
-        for i, c in enumerate(candidates):
-            if c.hash in self.hash_to_block_id:
-                continue  # already in the tier, or on its way
-            write_back = c.request_id is None
-            if not write_back and not self._still_cached(block_manager, c):
-                continue  # evicted (or withdrawn) before it could be copied: nothing to store
-            if len(stored) >= self.staging_free:
-                if write_back:
-                    self.dropped_stores += 1
-                else:
-                    self._deferred.append(c)
-                continue
-            block_id = self._take()
-            if block_id is None:
-                break  # every host block is held by a copy or a swapped-out request
-            block = self.blocks[block_id]
-            block.hash, block.parent_hash, block.token_ids = c.hash, c.parent_hash, c.token_ids
-            self.hash_to_block_id[c.hash] = block_id
-            store_gpu.append(c.block_id)
-            store_cpu.append(block_id)
-            stored.append(c)
+        offered, block_manager.offload_candidates = block_manager.offload_candidates, []
+        stored: list[tuple[OffloadCandidate, int]] = []
+        if self.policy == "write-back":
+            # Evicted this step: copied now, before the step that reuses the block, or never.
+            for c in offered:
+                if c.hash in self.hash_to_block_id:
+                    continue  # already in the tier, or on its way
+                block_id = self._take() if len(stored) < self.staging_free else None
+                if block_id is not None:  # else dropped: lost, as it would be without a tier
+                    stored.append((c, block_id))
+        else:
+            self._deferred.extend(offered)
+            # The oldest first, each checked when its turn comes: one evicted meanwhile is skipped.
+            while self._deferred and len(stored) < self.staging_free:
+                c = self._deferred.popleft()
+                if c.hash in self.hash_to_block_id or not self._still_cached(block_manager, c):
+                    continue
+                block_id = self._take()
+                if block_id is None:
+                    self._deferred.appendleft(c)  # every host block is held by a copy or a swap
+                    break
+                stored.append((c, block_id))
         if stored:
-            reason = "write-back" if stored[0].request_id is None else "write-through"
-            self._job(True, store_gpu, store_cpu, reason, None, stored)
+            for c, block_id in stored:
+                block = self.blocks[block_id]
+                block.hash, block.parent_hash, block.token_ids = c.hash, c.parent_hash, c.token_ids
+                self.hash_to_block_id[c.hash] = block_id
+            self._job(True, [c.block_id for c, _ in stored], [b for _, b in stored], self.policy, None,
+                      [c for c, _ in stored])
         submit = self._stores + self._loads
         self._stores, self._loads = [], []
         return submit
@@ -322,7 +321,7 @@ class HostTier:
         assert not self.jobs, "the host tier is reset with copies in flight"
         forgotten = [(h, b) for h, b in self.hash_to_block_id.items()]
         self.hash_to_block_id.clear()
-        self._deferred = []
+        self._deferred.clear()
         for h, block_id in forgotten:
             block = self.blocks[block_id]
             block.hash, block.parent_hash, block.token_ids, block.ready = NO_HASH, NO_HASH, [], False

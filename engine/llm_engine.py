@@ -223,13 +223,13 @@ class LLMEngine:
         again (no request may be in the engine); returns how many blocks were forgotten."""
         if not self.is_finished():
             raise RuntimeError("requests are still in the engine: reset the prefix cache when it is idle")
-        forgotten = self.scheduler.block_manager.reset_prefix_cache()
         offload = self.model_runner.offload
-        if offload is not None:
-            with self.events.held():
-                self.scheduler.complete_transfers(offload.drain())
-                forgotten += self.scheduler.host_tier.reset()
-            self.events.publish()
+        if offload is None:
+            return self.scheduler.block_manager.reset_prefix_cache()
+        with self.events.held():
+            self.scheduler.complete_transfers(offload.drain())  # copies of aborted requests may be in flight
+            forgotten = self.scheduler.block_manager.reset_prefix_cache() + self.scheduler.host_tier.reset()
+        self.events.publish()
         return forgotten
 
     def is_finished(self) -> bool:

@@ -85,8 +85,8 @@ class Scheduler:
         self.host_tier: HostTier | None = None
         if config.num_host_kvcache_blocks > 0:
             assert config.kv_offloading_staging_blocks > 0, "the store staging must be sized before the scheduler is built"
-            self.host_tier = HostTier(config.num_host_kvcache_blocks, config.kvcache_block_size,
-                                      config.kv_offloading_staging_blocks, self.events)
+            self.host_tier = HostTier(config.num_host_kvcache_blocks, config.kv_offloading_staging_blocks,
+                                      config.kv_offloading_policy, self.events)
         self.block_manager = BlockManager(
             config.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching, self.events,
             offload_policy=config.kv_offloading_policy if self.host_tier is not None else None)
