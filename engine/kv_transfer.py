@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,42 +100,35 @@ class OffloadingHandler:
         gpu = self._index(spec.gpu_block_ids)
         for s0, j, length in _runs(slots, list(range(n))):
             torch.index_select(self.pool, 0, gpu[j:j + length], out=self.store_staging[s0:s0 + length])
-        runs = _runs(list(spec.cpu_block_ids), slots)
-        if self.store_stream is None:
-            t = time.perf_counter()
-            self._copy_down(runs)
-            self.stores.append(_Copy(spec, n * self.block_bytes, None, None, time.perf_counter() - t, slots))
-            return
-        gathered = torch.cuda.Event()
-        gathered.record()
-        with torch.cuda.stream(self.store_stream):
-            self.store_stream.wait_event(gathered)
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._copy_down(runs)
-            done.record()
-        self.stores.append(_Copy(spec, n * self.block_bytes, start, done, 0.0, slots))
-
-    def _copy_down(self, runs: list[tuple[int, int, int]]) -> None:
-        for h0, s0, length in runs:
-            self.host[h0:h0 + length].copy_(self.store_staging[s0:s0 + length], non_blocking=True)
+        self._issue(spec, self.store_stream, self.stores, lambda: self._copy_down(spec, slots), slots)
 
     def _load(self, spec: TransferSpec) -> None:
-        n = len(spec.gpu_block_ids)
-        if self.load_stream is None:
+        # Its index tensors are made on the load stream, so their memory is freed to that stream.
+        self._issue(spec, self.load_stream, self.loads, lambda: self._copy_up(spec), [])
+
+    def _issue(self, spec: TransferSpec, stream: torch.cuda.Stream | None, queue: deque[_Copy],
+               copy: Callable[[], None], slots: list[int]) -> None:
+        """Run ``copy`` on ``stream`` after everything the compute stream has been given so far,
+        between two timing events; on the CPU, now."""
+        num_bytes = len(spec.gpu_block_ids) * self.block_bytes
+        if stream is None:
             t = time.perf_counter()
-            self._copy_up(spec)
-            self.loads.append(_Copy(spec, n * self.block_bytes, None, None, time.perf_counter() - t, []))
+            copy()
+            queue.append(_Copy(spec, num_bytes, None, None, time.perf_counter() - t, slots))
             return
         submitted = torch.cuda.Event()
         submitted.record()
-        with torch.cuda.stream(self.load_stream):
-            self.load_stream.wait_event(submitted)
+        with torch.cuda.stream(stream):
+            stream.wait_event(submitted)
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._copy_up(spec)  # its index tensors are made on this stream: their memory is freed to it
+            copy()
             done.record()
-        self.loads.append(_Copy(spec, n * self.block_bytes, start, done, 0.0, []))
+        queue.append(_Copy(spec, num_bytes, start, done, 0.0, slots))
+
+    def _copy_down(self, spec: TransferSpec, slots: list[int]) -> None:
+        for h0, s0, length in _runs(list(spec.cpu_block_ids), slots):
+            self.host[h0:h0 + length].copy_(self.store_staging[s0:s0 + length], non_blocking=True)
 
     def _copy_up(self, spec: TransferSpec) -> None:
         """Host blocks into staging, then staging into the pool, a staging-full at a time."""

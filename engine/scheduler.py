@@ -5,8 +5,8 @@ allow, prefix-cache hits discounted from the work; the first admitted request of
 chunked when its prompt exceeds the budget, and joins ``running`` only after its last chunk. With
 nothing to prefill, every running request decodes one token; when the pool runs out, the youngest
 running request is preempted (its blocks freed, its K/V to be recomputed, or with
-``preemption_mode="swap"`` copied to the host tier) and goes to the front of the waiting queue.
-Prefill and decode never share a step.
+``preemption_mode="swap"`` copied to the host tier) and goes to the front of the waiting queue,
+behind any waiting request that already holds blocks. Prefill and decode never share a step.
 
 With a host KV tier (``engine.host_tier``) an admission whose cached prefix continues in host memory,
 or a swapped-out request coming back, is given its blocks and waits in ``loading`` while they are

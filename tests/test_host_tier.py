@@ -372,3 +372,67 @@ def test_the_run_summary_counts_the_tier():
     assert swaps > 0 and moved["GPU_to_CPU"] > 0 and moved["CPU_to_GPU"] > 0
     assert line == (f"  host tier  {hits:,} prompt tokens loaded instead of computed, {swaps:,} swaps; "
                     f"{moved['GPU_to_CPU'] / 2**20:,.1f} MiB stored, {moved['CPU_to_GPU'] / 2**20:,.1f} MiB loaded")
+
+
+# --- on the GPU (-m gpu) ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_copies_through_the_streams_are_bit_identical(gpu):
+    """Stores gather what the compute stream just wrote; loads scatter in chunks; nothing waits by hand."""
+    kv = torch.empty(2, 4, 64, BS, 2, 64, dtype=torch.bfloat16, device="cuda")
+    handler = OffloadingHandler(kv, num_host_blocks=48, store_slots=8)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv.normal_(generator=gen)  # on the compute stream, not waited for: the store must be ordered after it
+    original = kv.clone()
+    jobs = [TransferSpec(i, True, tuple(range(8 * i, 8 * i + 8)), tuple(range(8 * i, 8 * i + 8))) for i in range(6)]
+    for spec in jobs:
+        while len(handler.free_slots) < 8:
+            handler.wait()
+            handler.poll()
+        handler.submit([spec])
+    assert sorted(r.job_id for r in handler.drain()) == list(range(6))
+    torch.cuda.synchronize()
+    for block in range(48):
+        assert torch.equal(handler.host[block].cuda(), original[:, :, block])
+    kv.zero_()  # again unwaited: the load must land after it
+    handler.submit([TransferSpec(9, False, tuple(range(63, 15, -1)), tuple(range(48)))])
+    results = handler.drain()
+    assert [r.job_id for r in results] == [9] and results[0].seconds > 0
+    assert results[0].num_bytes == 48 * handler.block_bytes
+    for host_block, gpu_block in enumerate(range(63, 15, -1)):
+        assert torch.equal(kv[:, :, gpu_block], original[:, :, host_block])
+    assert not kv[:, :, :16].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["write-through", "write-back", "swap"])
+def test_gpu_chats_through_the_tier_keep_the_bf16_rule(gpu, name):
+    from models.checkpoint import ensure_checkpoint
+    from tests.test_gpu_engine import check_against_reference, prompts_for
+
+    model_dir = ensure_checkpoint("tiny")
+    # A pool of 32 blocks: a turn's four requests outgrow it together (preemption) and evict the
+    # previous turns' blocks (host hits). On the CPU this setting preempts twice and loads 5-7 times.
+    llm = LLM(str(model_dir), **{"num_host_kvcache_blocks": 512, "gpu_memory_utilization": 0.3,
+                                 **TIER_SETTINGS[name], "kvcache_block_size": BS, "num_kvcache_blocks": 32})
+    events: list = []
+    llm.events.subscribe(events.append)
+    history = [[] for _ in range(4)]
+    prompts, outputs = [], []
+    greedy_params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for turn in range(3):
+        news = prompts_for(llm.model_config.vocab_size, [60, 45, 70, 30], seed=turn)
+        turn_prompts = [h + new for h, new in zip(history, news)]
+        turn_outputs = [o["token_ids"] for o in llm.generate(turn_prompts, greedy_params, use_tqdm=False)]
+        prompts += turn_prompts
+        outputs += turn_outputs
+        history = [p + o for p, o in zip(turn_prompts, turn_outputs)]
+    loads = [e for e in events if e.kind == "kv_transfer" and e.transfer_type == "CPU_to_GPU"]
+    assert loads and all(e.seconds > 0 for e in loads)
+    reasons = {e.reason for e in loads}
+    assert ("swap-in" in reasons) if name == "swap" else ("load" in reasons)
+    del llm
+    torch.cuda.empty_cache()
+    counts = check_against_reference(model_dir, prompts, outputs)
+    assert counts["exempt"] <= 0.05 * counts["checked"]
+    assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
