@@ -25,6 +25,8 @@ def is_power_of_two(n: int) -> bool:
 
 _DEVICES = ("cpu", "cuda")
 OFFLOADING_POLICIES = ("write-through", "write-back")
+BATCHING = ("prefill-first", "mixed")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -61,6 +63,13 @@ class Config:
     kv_offloading_staging_blocks: int = -1
     # What a preempted request loses: recompute (its K/V is dropped) or swap (kept in the host tier).
     preemption_mode: str = "recompute"
+    # How a step is filled (engine.scheduler): prefill-first (nano-vllm's: prefill and decode never
+    # share a step) or mixed (vLLM V1's: running requests first, chunked prefills from what is left).
+    batching: str = "prefill-first"
+    # The order of the waiting queue and of preemption victims (engine.scheduling_policy).
+    scheduling_policy: str = "fcfs"
+    # Mixed batching: a prefill chunk takes at most this many tokens of a step (0: no cap; vLLM's).
+    long_prefill_token_threshold: int = 0
 
     @property
     def host_tier_enabled(self) -> bool:
@@ -104,6 +113,11 @@ class Config:
         _require(self.preemption_mode != "swap" or self.host_tier_enabled, "preemption_mode",
                  self.preemption_mode, "swap needs the host tier: give kv_offloading_size (GiB) or "
                  "num_host_kvcache_blocks too")
+        _require(self.batching in BATCHING, "batching", self.batching, f"must be one of {', '.join(BATCHING)}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                 f"must be one of {', '.join(SCHEDULING_POLICIES)}")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                 self.long_prefill_token_threshold, "must be a number of tokens, 0 for no cap")
         _require(self.tensor_parallel_size == 1 or not self.host_tier_enabled, "tensor_parallel_size",
                  self.tensor_parallel_size, "the host KV tier does not run with tensor parallelism yet: "
                  "use one of them")

@@ -28,11 +28,14 @@ logger = logging.getLogger(__name__)
 # ``last_token`` (``last_scheduled`` is gone); ``request_rejected`` has a reason ``code``.
 # Version 3: ``engine_started`` has ``gpu_memory_utilization``; ``request_arrived`` has ``top_p``,
 # ``top_k``, the client's request id and its W3C trace context; ``snapshot`` is new.
-# Version 4, the host KV tier: block events have a ``medium`` (``GPU``/``CPU``); ``host_hit``, ``swap_in``
-# and ``kv_transfer`` are new; ``preempt`` has its ``mode`` and the host blocks a swap went to;
-# ``engine_started`` has the tier's size and policies; ``request_finished`` has ``host_cached_tokens``
-# (``cached_tokens`` counts them too, as vLLM's); ``step`` has ``loading`` and ``free_cpu_blocks``;
-# ``snapshot`` has the state ``loading`` and the host blocks.
+# Version 4, the host KV tier and the scheduling policies: block events have a ``medium``
+# (``GPU``/``CPU``); ``host_hit``, ``swap_in``, ``kv_transfer`` and ``waiting`` are new; ``preempt`` has
+# its ``mode`` and the host blocks a swap went to; ``engine_started`` has the tier's size and policies
+# and the batching and scheduling policy; ``request_arrived`` has ``priority``; ``schedule`` has which
+# requests prefill (a ``mixed`` step has both); ``request_finished`` has ``host_cached_tokens``
+# (``cached_tokens`` counts them too, as vLLM's); ``step`` has ``loading``, ``free_cpu_blocks`` and the
+# waiting requests by reason; ``snapshot`` has the state ``loading``, the waiting reasons and the host
+# blocks.
 SCHEMA_VERSION = 4
 
 
@@ -78,6 +81,8 @@ class EngineStarted(Event):
     kv_offloading_size: float | None
     kv_offloading_policy: str  # write-through or write-back
     preemption_mode: str  # recompute or swap
+    batching: str  # prefill-first or mixed
+    scheduling_policy: str  # fcfs, priority or lpm
     # Wall-clock time (seconds since the epoch) taken together with ``t``: epoch = wall_time + (x - t).
     wall_time: float
 
@@ -90,6 +95,7 @@ class RequestArrived(Event):
     temperature: float
     top_p: float
     top_k: int  # 0: every token
+    priority: int  # lower first under the priority policy; 0 otherwise
     arrival: float
     # What the caller named the request (a server: the client's X-Request-Id or its response id).
     client_id: str | None
@@ -182,16 +188,35 @@ class BlockFree(Event):
     medium: str
 
 
+STEP_PHASES = ("prefill", "decode", "mixed")
+
+
 @_event("schedule")
 class Schedule(Event):
-    phase: str  # "prefill" or "decode"
+    phase: str  # one of STEP_PHASES: a mixed step holds prefill chunks and decode tokens
     request_ids: tuple[int, ...]
     num_tokens: tuple[int, ...]
+    # Per request: it computes prompt tokens (else it decodes one token).
+    prefill: tuple[bool, ...]
     # Per request: this prefill is one chunk of several (a partial prompt or its continuation).
     chunked: tuple[bool, ...]
     waiting: int
     running: int
     free_blocks: int
+
+
+# Why a request is still waiting after a step was scheduled: the step's token budget was spent, or
+# max_num_seqs requests run, or the pool has too few free KV blocks, or it waits for a copy from the
+# host tier, or a request before it in the policy's order is the one held back.
+WAITING_REASONS = ("budget", "max_num_seqs", "kv_blocks", "host_load", "order")
+
+
+@_event("waiting")
+class Waiting(Event):
+    """Waiting requests whose reason changed at this step's scheduling (new ones included)."""
+
+    request_ids: tuple[int, ...]
+    reasons: tuple[str, ...]  # one of WAITING_REASONS each
 
 
 @_event("preempt")
@@ -259,6 +284,7 @@ class Step(Event):
     free_blocks: int
     loading: int  # requests waiting for their K/V from the host tier (also counted in waiting)
     free_cpu_blocks: int  # host blocks no copy and no swapped-out request holds (0 without a tier)
+    waiting_by_reason: tuple[int, ...]  # how many wait for each of WAITING_REASONS
 
 
 @_event("tokens")
@@ -326,6 +352,7 @@ class Snapshot(Event):
     cached_tokens: tuple[int, ...]  # prompt tokens served by the prefix cache at first admission
     output_tokens: tuple[int, ...]
     num_preemptions: tuple[int, ...]
+    waiting_reasons: tuple[str, ...]  # one of WAITING_REASONS for a waiting or loading request, else ""
     refcounts: tuple[int, ...]  # per block
     cached: tuple[bool, ...]  # per block: it is a prefix-cache entry (a hit can reuse it)
     # Per host block, as the block events tell it: swapped-out requests holding it, loads in flight

@@ -259,7 +259,8 @@ class LiveEngine:
         else:
             heapq.heappop(self._pending)
         try:
-            request_id = self.llm.add_request(request.prompt_token_ids, request.sampling_params)
+            request_id = self.llm.add_request(request.prompt_token_ids, request.sampling_params,
+                                              priority=request.priority)
         except ValueError:
             return  # request_rejected was emitted; a bad workload request never stops the loop
         self.num_submitted += 1

@@ -89,7 +89,7 @@ class LLMEngine:
                 gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
                 kv_offloading_size=config.kv_offloading_size or None,
                 kv_offloading_policy=config.kv_offloading_policy, preemption_mode=config.preemption_mode,
-                wall_time=time.time())
+                batching=config.batching, scheduling_policy=config.scheduling_policy, wall_time=time.time())
             if self.model_runner.uses_cudagraphs:
                 # Every rank captures: the collectives are inside the graphs, so every rank replays.
                 if self.tp_group is None:
@@ -164,8 +164,16 @@ class LLMEngine:
                 self.events.emit(RequestRejected, request_id=request_id, reason=str(exc), code=exc.code)
             raise
 
-    def _check(self, prompt: Prompt, sampling_params: object) -> list[int]:
+    def _check(self, prompt: Prompt, sampling_params: object, priority: object = 0) -> list[int]:
         """Everything about a request that can be checked before it is queued; its token ids."""
+        if not isinstance(priority, Integral) or isinstance(priority, bool):
+            raise RequestRejectedError(f"priority must be an integer (lower is served first), got {priority!r}",
+                                       "priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestRejectedError(
+                f"priority {priority} was given but the scheduling policy is {self.config.scheduling_policy}: "
+                "start the engine with scheduling_policy='priority' (--scheduling-policy priority) or leave it 0",
+                "priority")
         if not isinstance(sampling_params, SamplingParams):
             raise RequestRejectedError(
                 f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}: "
@@ -180,10 +188,11 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, *, client_id: str | None = None,
-                    trace_headers: Mapping[str, str] | None = None) -> int:
+                    trace_headers: Mapping[str, str] | None = None, priority: int = 0) -> int:
         """Queue a request and return its id. A request that can never be served, or one that finds
         the waiting queue full, raises ``RequestRejectedError`` (a ``ValueError``; ``QueueFullError``
-        for the latter) and leaves the engine as it was.
+        for the latter) and leaves the engine as it was. ``priority`` (lower first) needs the
+        ``priority`` scheduling policy, as in vLLM.
 
         ``client_id`` (what the caller calls the request) and ``trace_headers`` (W3C
         ``traceparent``/``tracestate``, as vLLM's) only travel in the ``request_arrived`` event, for
@@ -191,22 +200,22 @@ class LLMEngine:
         request_id = next(Sequence.counter)
         with self._refusals(request_id):
             sampling_params = SamplingParams() if sampling_params is None else sampling_params
-            token_ids = self._check(prompt, sampling_params)
+            token_ids = self._check(prompt, sampling_params, priority)
             self.scheduler.check_capacity()
         headers = trace_headers or {}
-        self._queue(request_id, token_ids, sampling_params, arrival_time, client_id=client_id,
+        self._queue(request_id, token_ids, sampling_params, arrival_time, priority, client_id=client_id,
                     traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"))
         return request_id
 
     def _queue(self, request_id: int, token_ids: list[int], sampling_params: SamplingParams,
-               arrival_time: float | None, **metadata: str | None) -> None:
+               arrival_time: float | None, priority: int, **metadata: str | None) -> None:
         """Queue checked token ids."""
         detokenizer = None
         if sampling_params.stop:
             detokenizer = IncrementalDetokenizer(self.tokenizer, sampling_params)
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size,
                        time.perf_counter() if arrival_time is None else arrival_time, seq_id=request_id,
-                       detokenizer=detokenizer)
+                       detokenizer=detokenizer, priority=priority)
         self.scheduler.add(seq, **metadata)
 
     def snapshot(self) -> Snapshot:
@@ -239,7 +248,8 @@ class LLMEngine:
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """One engine iteration. Returns the requests that finished as ``(request_id, token_ids)``
-        and the number of tokens launched: positive for a prefill, minus the batch size for a decode.
+        and the number of tokens launched: positive for a prefill or mixed step, minus the batch size
+        for a decode.
 
         With asynchronous scheduling a step's results are read in the next call, after that call
         has launched its own step; a step that launches nothing collects what is in flight.
@@ -283,7 +293,7 @@ class LLMEngine:
             if previous is None and offload is not None and not self.scheduler.is_finished():
                 offload.wait()  # nothing to compute until a copy lands
             return outputs, 0
-        return outputs, sum(batch.num_tokens) if batch.is_prefill else -len(batch.seqs)
+        return outputs, sum(batch.num_tokens) if batch.phase != "decode" else -len(batch.seqs)
 
     @staticmethod
     def _retire(finished: list[Sequence]) -> list[tuple[int, list[int]]]:
@@ -301,9 +311,9 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         try:
             if self.tp_group is None:
-                launched = self.model_runner.launch(batch.seqs, batch.is_prefill)
+                launched = self.model_runner.launch(batch.seqs, batch.phase)
             else:
-                launched = self.tp_group.call(ModelRunner.launch, batch.seqs, batch.is_prefill)
+                launched = self.tp_group.call(ModelRunner.launch, batch.seqs, batch.phase)
         except Exception:
             self._fail(batch)
             raise
@@ -337,15 +347,14 @@ class LLMEngine:
         if self.events.active:
             batch, launched = step.batch, step.launched
             self.events.emit(
-                Step, phase="prefill" if batch.is_prefill else "decode", num_seqs=len(batch.seqs),
-                num_prefill_tokens=sum(batch.num_tokens) if batch.is_prefill else 0,
-                num_decode_tokens=0 if batch.is_prefill else len(batch.seqs),
+                Step, phase=batch.phase, num_seqs=len(batch.seqs), num_prefill_tokens=batch.num_prefill_tokens,
+                num_decode_tokens=batch.prefill.count(False),
                 duration_s=end - max(step.start, self._last_completion), schedule_s=step.schedule_s,
                 prepare_s=launched.prepare_s, launch_s=launched.launch_s, wait_s=launched.wait_s,
                 postprocess_s=end - t, padded_batch_size=launched.padded_batch_size,
                 waiting=len(scheduler.waiting) + len(scheduler.loading), running=len(scheduler.running),
                 free_blocks=scheduler.block_manager.num_free_blocks, loading=len(scheduler.loading),
-                free_cpu_blocks=scheduler.free_cpu_blocks)
+                free_cpu_blocks=scheduler.free_cpu_blocks, waiting_by_reason=scheduler.waiting_by_reason())
         self._last_completion = end
         return finished
 
@@ -357,9 +366,10 @@ class LLMEngine:
 
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True, priority: SequenceOf[int] | None = None) -> list[dict]:
         """Run prompts to completion; results in prompt order as ``{"text", "token_ids"}``. A single
-        string or list of token ids is one prompt, as in vLLM.
+        string or list of token ids is one prompt, as in vLLM; ``priority`` is one per prompt, as
+        vLLM's (the ``priority`` scheduling policy only).
 
         Every prompt is checked before any is queued, so a bad one raises (and emits
         ``request_rejected``) without side effects. Beyond ``max_waiting_requests`` prompts wait
@@ -375,15 +385,18 @@ class LLMEngine:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities: give one per prompt")
         request_ids = [next(Sequence.counter) for _ in prompts]
         token_lists = []
-        for i, (request_id, prompt, sp) in enumerate(zip(request_ids, prompts, params)):
+        for i, (request_id, prompt, sp, prio) in enumerate(zip(request_ids, prompts, params, priorities)):
             try:
                 with self._refusals(request_id):
-                    token_lists.append(self._check(prompt, sp))  # tokenised and checked once, here
+                    token_lists.append(self._check(prompt, sp, prio))  # tokenised and checked once, here
             except RequestRejectedError as exc:
-                raise type(exc)(f"prompt {i}: {exc}") from None
-        unqueued = deque(zip(request_ids, token_lists, params))
+                raise type(exc)(f"prompt {i}: {exc}", exc.param) from None
+        unqueued = deque(zip(request_ids, token_lists, params, priorities))
         params_of = dict(zip(request_ids, params))
         results: dict[int, dict] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -412,7 +425,7 @@ class LLMEngine:
             bar.close()
         return [results[r] for r in request_ids]
 
-    def _queue_until_full(self, unqueued: deque[tuple[int, list[int], SamplingParams]]) -> None:
+    def _queue_until_full(self, unqueued: deque[tuple[int, list[int], SamplingParams, int]]) -> None:
         """Move checked requests into the waiting queue while it has room."""
         if not unqueued:
             return  # the common case once everything is queued: nothing to do on this step
@@ -420,8 +433,8 @@ class LLMEngine:
         room = len(unqueued) if limit is None else limit - len(self.scheduler.waiting)
         with self.events.held():  # the arrivals publish with the next step, not one by one
             for _ in range(min(room, len(unqueued))):
-                request_id, token_ids, sp = unqueued.popleft()
-                self._queue(request_id, token_ids, sp, None)
+                request_id, token_ids, sp, priority = unqueued.popleft()
+                self._queue(request_id, token_ids, sp, None, priority)
 
     def _abandon(self, request_ids: list[int]) -> None:
         """After an interrupt or an engine error: abort ``request_ids`` (freeing their blocks) and

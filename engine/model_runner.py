@@ -28,7 +28,7 @@ from engine.config import Config, ConfigError
 from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
 from models.context import Context, reset_context, set_context
@@ -242,12 +242,15 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence computes tokens ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``
-        and attends to everything before them through its block table.
+        """Each prefilling sequence computes tokens ``[num_cached_tokens, num_cached_tokens +
+        num_scheduled_tokens)``, each decoding one (a mixed step) its last token, and attends to
+        everything before them through its block table. A decode token still being sampled by the
+        step in flight is read on the device, from that step's samples.
 
         Per-token inputs are built with numpy, not per-token Python loops: a step has ~16k tokens, and
         prefill is bound by the host that prepares and launches it."""
-        starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
+        starts = np.array([seq.num_cached_tokens if seq.is_prefill else seq.num_tokens - 1 for seq in seqs],
+                          dtype=np.int64)
         q_lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
         ends = starts + q_lens
         cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens)))
@@ -255,9 +258,15 @@ class ModelRunner:
         # changed with the longest prompt would compile a new prefill kernel mid-run.
         block_tables = np.full((len(seqs), self.decode_inputs.max_blocks_per_seq), -1, dtype=np.int32)
         input_ids: list[int] = []
+        in_flight: list[tuple[int, int]] = []  # (token index, the row of the previous step's samples)
         for i, (seq, start, end) in enumerate(zip(seqs, starts.tolist(), ends.tolist())):
             block_tables[i, :len(seq.block_table)] = seq.block_table
-            input_ids += seq.token_ids[start:end]
+            if seq.is_prefill:
+                input_ids += seq.token_ids[start:end]
+            else:  # a decode token: workers of a tensor-parallel group only have the last one
+                if seq.last_token == PLACEHOLDER:
+                    in_flight.append((len(input_ids), self.sample_rows[seq.seq_id]))
+                input_ids.append(seq.last_token)
         token_seq = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(cu_seqlens_q[-1]) + np.repeat(starts - cu_seqlens_q[:-1], q_lens)
         slot_mapping = block_tables[token_seq, positions // self.block_size].astype(np.int64) * self.block_size \
@@ -271,7 +280,11 @@ class ModelRunner:
             slot_mapping=self._tensor(slot_mapping, np.int64),
             block_tables=self._tensor(block_tables, np.int32),
         ))
-        return self._tensor(input_ids, np.int64), self._tensor(positions, np.int64)
+        ids = self._tensor(input_ids, np.int64)
+        if in_flight:
+            index, rows = zip(*in_flight)
+            ids[self._tensor(index, np.int64)] = self.sampled[self._tensor(rows, np.int64)].long()
+        return ids, self._tensor(positions, np.int64)
 
     def prepare_decode(self, seqs: list[Sequence]) -> int:
         """Stage the decode inputs (padded to the CUDA graph that will run them); returns the rows."""
@@ -343,13 +356,15 @@ class ModelRunner:
         return (None if self.graph_logits is None else self.graph_logits[:num_seqs]), num_rows
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep | None:
+    def launch(self, seqs: list[Sequence], phase: str) -> LaunchedStep | None:
         """Compute the scheduled tokens of ``seqs`` and sample one token id per sequence, without
-        waiting for the device. Rank 0 returns the handle to read the ids with; other ranks None."""
+        waiting for the device. A pure decode step (``phase``) replays a CUDA graph; a prefill or
+        mixed one runs the prefill path. Rank 0 returns the handle to read the ids with; other ranks
+        None."""
         t0 = time.perf_counter()
         n = len(seqs)
         padded_batch_size = launch_order = None
-        if is_prefill:
+        if phase != "decode":
             input_ids, positions = self.prepare_prefill(seqs)
             temperatures = self._tensor([seq.temperature for seq in seqs], np.float32)
             t1 = time.perf_counter()

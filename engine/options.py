@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.config import OFFLOADING_POLICIES, PREEMPTION_MODES, Config, ConfigError
+from engine.config import BATCHING, OFFLOADING_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES, Config, ConfigError
 from models.errors import CheckpointError
 
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
@@ -56,6 +56,17 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
                    help="what a preempted request's K/V becomes: recomputed later, or swapped to the host "
                         "tier (default: %(default)s)")
+    g.add_argument("--batching", choices=BATCHING, default="prefill-first",
+                   help="how a step is filled: prefill first, decode only when nothing can be prefilled "
+                        "(nano-vllm's), or mixed: running requests first, then chunked prefills from the "
+                        "budget left (vLLM V1's) (default: %(default)s)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="the order of the waiting queue and of preemption victims: first come first served, "
+                        "priority (lower first, as vLLM's) or lpm (longest prefix-cache match first, as "
+                        "SGLang's) (default: %(default)s)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="mixed batching: at most N tokens of a step for one prompt's chunk; 0: no cap "
+                        "(default: %(default)s)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
     parser.set_defaults(**defaults)
 
@@ -173,7 +184,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=not args.no_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, kv_offloading_size=args.kv_offloading_size,
                 num_host_kvcache_blocks=args.num_host_kvcache_blocks,
-                kv_offloading_policy=args.kv_offloading_policy, preemption_mode=args.preemption_mode)
+                kv_offloading_policy=args.kv_offloading_policy, preemption_mode=args.preemption_mode,
+                batching=args.batching, scheduling_policy=args.scheduling_policy,
+                long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
 def build_llm(args: argparse.Namespace):

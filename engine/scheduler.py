@@ -1,12 +1,24 @@
 """Continuous batching: which requests the next step computes, and what happens to them after.
 
-Prefill first: waiting requests are admitted FCFS while ``max_num_seqs`` and the token budget
-allow, prefix-cache hits discounted from the work; the first admitted request of a step may be
-chunked when its prompt exceeds the budget, and joins ``running`` only after its last chunk. With
-nothing to prefill, every running request decodes one token; when the pool runs out, the youngest
-running request is preempted (its blocks freed, its K/V to be recomputed, or with
-``preemption_mode="swap"`` copied to the host tier) and goes to the front of the waiting queue,
-behind any waiting request that already holds blocks. Prefill and decode never share a step.
+Two choices shape a step. The **batching rule** (``batching``):
+
+- ``prefill-first`` (nano-vllm's): waiting requests are admitted while ``max_num_seqs`` and the token
+  budget allow, prefix-cache hits discounted from the work; the first admitted request of a step
+  may be chunked when its prompt exceeds the budget, and joins ``running`` only after its last
+  chunk. Only with nothing to prefill does every running request decode one token (the budget does
+  not bound a decode step). Prefill and decode never share a step.
+- ``mixed`` (vLLM V1's): the running requests first, each decoding one token or continuing its
+  chunked prompt, then waiting requests' prefills, chunked to fit, from the budget left (unless the
+  step had to preempt); an admitted request joins ``running`` at once, so several prompts may be
+  part-way through at a time, and a step may hold prefill chunks and decode tokens together.
+  ``long_prefill_token_threshold`` caps what one prompt takes of a step.
+
+The **policy** (``scheduling_policy``, ``engine.scheduling_policy``) orders the waiting queue for
+admission and picks whom to preempt. When a decode finds no free block, the policy's victim is
+preempted (its blocks freed, its K/V to be recomputed, or with ``preemption_mode="swap"`` copied to
+the host tier) and goes back to the front of the waiting queue, behind any waiting request that
+already holds blocks. Admission stops at the first request that does not fit (head-of-line in the
+policy's order); every request left waiting gets a reason (``waiting`` events).
 
 With a host KV tier (``engine.host_tier``) an admission whose cached prefix continues in host memory,
 or a swapped-out request coming back, is given its blocks and waits in ``loading`` while they are
@@ -30,6 +42,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.events import (
+    WAITING_REASONS,
     EventBus,
     FirstToken,
     HostHit,
@@ -40,16 +53,23 @@ from engine.events import (
     Snapshot,
     SwapIn,
     Tokens,
+    Waiting,
 )
 from engine.host_tier import HostTier, TransferResult, TransferSpec
+from engine.scheduling_policy import make_policy
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 class RequestRejectedError(ValueError):
     """A request refused at admission; the engine keeps serving. ``code`` is the reason's short
-    name: ``invalid`` (it can never be served as given) or ``queue_full``."""
+    name: ``invalid`` (it can never be served as given) or ``queue_full``; ``param`` the request
+    field at fault."""
 
     code = "invalid"
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFullError(RequestRejectedError):
@@ -60,17 +80,45 @@ class QueueFullError(RequestRejectedError):
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work. ``num_tokens[i]`` is what ``seqs[i]`` computes; ``sample_index[i]`` is where
-    its sampled token goes in its ``token_ids`` (-1 for a mid-prompt chunk, whose sample is dropped),
-    set by ``Scheduler.expect_tokens``."""
+    """One step's work. ``num_tokens[i]`` is what ``seqs[i]`` computes, prompt tokens when
+    ``prefill[i]`` (else one decode token); ``sample_index[i]`` is where its sampled token goes in its
+    ``token_ids`` (-1 for a mid-prompt chunk, whose sample is dropped), set by
+    ``Scheduler.expect_tokens``."""
 
-    seqs: list[Sequence]
-    is_prefill: bool
-    num_tokens: list[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    prefill: list[bool] = field(default_factory=list)
+    chunked: list[bool] = field(default_factory=list)
     sample_index: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+    @property
+    def phase(self) -> str:
+        """``prefill``, ``decode`` or ``mixed`` (both in one step)."""
+        if all(self.prefill):
+            return "prefill"
+        return "mixed" if any(self.prefill) else "decode"
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for n, prefill in zip(self.num_tokens, self.prefill) if prefill)
+
+    def add(self, seq: Sequence, num_tokens: int, prefill: bool, chunked: bool = False) -> None:
+        seq.num_scheduled_tokens = num_tokens
+        seq.is_prefill = prefill
+        self.seqs.append(seq)
+        self.num_tokens.append(num_tokens)
+        self.prefill.append(prefill)
+        self.chunked.append(chunked)
+
+    def discard(self, seq: Sequence) -> None:
+        """Take back ``seq``, preempted after it was scheduled in this step."""
+        if seq in self.seqs:
+            i = self.seqs.index(seq)
+            for column in (self.seqs, self.num_tokens, self.prefill, self.chunked):
+                del column[i]
 
 
 class Scheduler:
@@ -91,6 +139,9 @@ class Scheduler:
             config.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching, self.events,
             offload_policy=config.kv_offloading_policy if self.host_tier is not None else None)
         self.swap = config.preemption_mode == "swap"
+        self.mixed = config.batching == "mixed"
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.policy = make_policy(config.scheduling_policy)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE_KVS, in admission order
@@ -138,7 +189,7 @@ class Scheduler:
             params = seq.params
             self.events.emit(RequestArrived, request_id=seq.seq_id, prompt_tokens=seq.num_prompt_tokens,
                              max_tokens=seq.max_tokens, temperature=seq.temperature, top_p=params.top_p,
-                             top_k=params.top_k, arrival=seq.arrival_time, client_id=client_id,
+                             top_k=params.top_k, priority=seq.priority, arrival=seq.arrival_time, client_id=client_id,
                              traceparent=traceparent, tracestate=tracestate)
 
     def snapshot(self) -> Snapshot:
@@ -151,8 +202,10 @@ class Scheduler:
             else:
                 states.append("preempted" if seq.num_preemptions else "waiting")
         states += ["loading"] * len(self.loading)
-        # A running request is in prefill until its prompt's token lands (a launched prefill's is in flight).
-        states += ["prefill" if seq.is_prefill and seq.last_token == PLACEHOLDER else "decode" for seq in self.running]
+        # A running request is in prefill until its prompt's token lands (a launched prefill's is in
+        # flight), or while its prompt is chunked (mixed batching).
+        states += ["prefill" if not seq.prefilled or (seq.is_prefill and seq.last_token == PLACEHOLDER) else "decode"
+                   for seq in self.running]
         bm = self.block_manager
         tier = self.host_tier
         host = tier.blocks if tier is not None else []
@@ -171,6 +224,9 @@ class Scheduler:
             cached_tokens=tuple(s.num_prompt_cached_tokens for s in seqs),
             output_tokens=tuple(s.num_known_tokens - s.num_prompt_tokens for s in seqs),
             num_preemptions=tuple(s.num_preemptions for s in seqs),
+            waiting_reasons=tuple((s.waiting_reason or "") if s.status is SequenceStatus.WAITING else
+                                  "host_load" if s.status is SequenceStatus.WAITING_FOR_REMOTE_KVS else ""
+                                  for s in seqs),
             refcounts=tuple(b.ref_count for b in bm.blocks), cached=tuple(bm.is_cache_entry(b) for b in bm.blocks),
             cpu_refcounts=tuple(b.ref_count - reading[b.block_id] - writing[b.block_id] for b in host),
             cpu_reading=tuple(reading[b.block_id] for b in host),
@@ -179,74 +235,151 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """The batch for the next step; an empty batch means idle."""
-        now = time.perf_counter()
-        scheduled: list[Sequence] = []
-        chunked: list[bool] = []
+        batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.mixed:
+            budget, preempted = self._schedule_running(batch, budget)
+            # After a preemption the pool is short: admitting more would only preempt again (vLLM's rule).
+            self._admit(batch, budget, now=time.perf_counter(), blocked="kv_blocks" if preempted else None)
+        else:
+            self._admit(batch, budget, now=time.perf_counter())
+            if not batch:
+                self._schedule_running(batch, None)
+        if batch and self.events.active:
+            self.events.emit(Schedule, phase=batch.phase, request_ids=tuple(s.seq_id for s in batch.seqs),
+                             num_tokens=tuple(batch.num_tokens), prefill=tuple(batch.prefill),
+                             chunked=tuple(batch.chunked), waiting=len(self.waiting) + len(self.loading),
+                             running=len(self.running), free_blocks=self.block_manager.num_free_blocks)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int, now: float, blocked: str | None = None) -> None:
+        """Admit waiting requests, in the policy's order, into ``batch`` while the budget,
+        ``max_num_seqs`` and the pool allow (none when ``blocked`` says why not); note why the rest wait."""
         bm = self.block_manager
-        # Admitted requests join ``running`` at once; a partial one ends the loop, so this caps the batch.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        reasons: dict[Sequence, str] = {}
+        order = list(self.policy.order(self.waiting, self._cached_blocks))
+
+        def hold(i: int, reason: str, rest: str) -> None:
+            """The ``i``-th request waits for ``reason``, everyone after it for ``rest``."""
+            reasons[order[i]] = reason
+            reasons.update(dict.fromkeys(order[i + 1:], rest))
+
+        for i, seq in enumerate(order):
+            if blocked is None and budget <= 0:
+                blocked = "budget"
+            elif blocked is None and len(self.running) >= self.max_num_seqs:
+                blocked = "max_num_seqs"
+            if blocked is not None:  # a limit of the whole step: it holds back everyone left
+                hold(i, blocked, blocked)
+                break
             continuing = bool(seq.block_table)
             if continuing:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
             elif seq.swapped is not None:
-                # Its K/V comes back from the host tier, once the copy that took it there has landed.
-                if not seq.swapped.landed or not bm.can_allocate(seq, []):
+                # Its K/V comes back from the host tier, once the copy that took it there has landed;
+                # a request that does not fit holds back only itself, the ones after it wait their turn.
+                if not seq.swapped.landed:
+                    hold(i, "host_load", "order")
+                    break
+                if not bm.can_allocate(seq, []):
+                    hold(i, "kv_blocks", "order")
                     break
                 self._swap_in(seq)
+                reasons[seq] = "host_load"
                 continue
             else:
                 hit_block_ids = bm.cached_prefix(seq)
                 if not bm.can_allocate(seq, hit_block_ids):
+                    hold(i, "kv_blocks", "order")
                     break
                 num_tokens = seq.num_tokens - len(hit_block_ids) * bm.block_size
                 host_hit_ids = self._host_hits(seq, len(hit_block_ids))
                 if host_hit_ids:
                     self._load_prefix(seq, hit_block_ids, host_hit_ids, now)
+                    reasons[seq] = "host_load"
                     continue
-            # Only the first request of a step may be cut short: later ones wait for a whole budget.
-            if budget < num_tokens and scheduled:
+            # Prefill-first: only the first request of a step may be cut short, later ones wait for a
+            # whole budget. Mixed: any may be, to what is left.
+            if budget < num_tokens and batch and not self.mixed:
+                hold(i, "budget", "budget")
                 break
             if not continuing:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
                     seq.num_prompt_cached_tokens = len(hit_block_ids) * bm.block_size
                 bm.allocate(seq, hit_block_ids)
-            seq.num_scheduled_tokens = min(num_tokens, budget)
-            seq.is_prefill = True
-            budget -= seq.num_scheduled_tokens
-            scheduled.append(seq)
-            partial = seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens
+            n = self._chunk(num_tokens, budget)
+            budget -= n
+            partial = seq.num_cached_tokens + n < seq.num_tokens
             # The rest of a prompt after a load is not a chunk of one: nothing of it was computed yet.
-            chunked.append(partial or (continuing and not seq.loaded))
+            batch.add(seq, n, prefill=True, chunked=partial or (continuing and not seq.loaded))
             seq.loaded = False
-            if partial:
+            if partial and not self.mixed:  # part-way through: its rest, and everyone else, wait for a budget
+                hold(i, "budget", "budget")
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        if scheduled:
-            self._emit_schedule("prefill", scheduled, chunked)
-            return ScheduledBatch(scheduled, True, [seq.num_scheduled_tokens for seq in scheduled])
+        self._note_waiting(reasons)
 
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """What of ``num_tokens`` prompt tokens one request computes in this step."""
+        if self.mixed and self.long_prefill_token_threshold:
+            num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+        return min(num_tokens, budget)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int | None) -> tuple[int, bool]:
+        """Schedule the running requests: one decode token each or, under mixed batching, the next
+        chunk of a prompt still being computed, within ``budget`` (None: no bound, prefill-first's
+        decode step). A decode that finds no free block preempts the policy's victim (itself, when
+        that is who). Returns the budget left and whether anyone was preempted."""
+        bm = self.block_manager
+        preempted = False
         # Every request stays in ``running`` or ``waiting`` throughout (an exception raised here, even
         # a KeyboardInterrupt from a subscriber, leaves no request holding blocks outside both).
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or self._last_token_in_flight(seq):
-                continue  # preempted for an earlier request, or its last token is in flight
-            # Victims are the youngest requests after ``seq``, and ``seq`` itself when none is left.
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier request
+            if not seq.prefilled:  # mixed: a prompt still being chunked; its blocks are all there
+                n = self._chunk(seq.num_tokens - seq.num_cached_tokens, budget)
+                if n > 0:
+                    budget -= n
+                    batch.add(seq, n, prefill=True, chunked=True)
+                continue
+            if self._last_token_in_flight(seq) or (budget is not None and budget <= 0):
+                continue
             while not bm.can_append(seq):
-                if self._preempt_youngest(for_seq=seq) is seq:
+                victim = self.policy.victim(self.running)
+                self._preempt(victim, for_seq=seq)
+                preempted = True
+                if victim in batch.seqs:  # scheduled earlier in this step: it gives its token back
+                    budget = None if budget is None else budget + 1
+                    batch.discard(victim)
+                if victim is seq:
                     break
             else:
-                seq.num_scheduled_tokens = 1
-                seq.is_prefill = False
                 bm.may_append(seq)
-                scheduled.append(seq)
-        if scheduled:
-            self._emit_schedule("decode", scheduled, [False] * len(scheduled))
-        return ScheduledBatch(scheduled, False, [1] * len(scheduled))
+                batch.add(seq, 1, prefill=False)
+                budget = None if budget is None else budget - 1
+        return budget, preempted
+
+    def _note_waiting(self, reasons: dict[Sequence, str]) -> None:
+        """Keep why each request still waits; emit the ones that changed."""
+        changed = [(seq, reason) for seq, reason in reasons.items() if seq.waiting_reason != reason]
+        for seq, reason in changed:
+            seq.waiting_reason = reason
+        if changed and self.events.active:
+            self.events.emit(Waiting, request_ids=tuple(s.seq_id for s, _ in changed),
+                             reasons=tuple(r for _, r in changed))
+
+    def _cached_blocks(self, seq: Sequence) -> int:
+        return len(self.block_manager.cached_prefix(seq))
+
+    def waiting_by_reason(self) -> tuple[int, ...]:
+        """How many requests wait for each of ``WAITING_REASONS`` (loading ones for a host load)."""
+        counts = Counter(seq.waiting_reason for seq in self.waiting)
+        counts["host_load"] += len(self.loading)
+        return tuple(counts[reason] for reason in WAITING_REASONS)
 
     # --- the host tier -------------------------------------------------------------------------
 
@@ -258,7 +391,7 @@ class Scheduler:
         return self.host_tier.lookup(seq, start, (seq.num_tokens - 1) // self.block_manager.block_size)
 
     def _start_loading(self, seq: Sequence, job_id: int) -> None:
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
         seq.load_job = job_id
         self.loading.append(seq)
@@ -334,19 +467,13 @@ class Scheduler:
         token is only known once it lands)."""
         return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
-    def _emit_schedule(self, phase: str, seqs: list[Sequence], chunked: list[bool]) -> None:
-        if self.events.active:
-            self.events.emit(Schedule, phase=phase, request_ids=tuple(s.seq_id for s in seqs),
-                             num_tokens=tuple(s.num_scheduled_tokens for s in seqs), chunked=tuple(chunked),
-                             waiting=len(self.waiting) + len(self.loading), running=len(self.running),
-                             free_blocks=self.block_manager.num_free_blocks)
-
-    def _preempt_youngest(self, for_seq: Sequence) -> Sequence:
-        """Evict the youngest running request: free its blocks (its computed ones copied to the host
-        tier first when swapping and there is room, else to be recomputed) and put it at the front
-        of the queue, behind any waiting request that already holds blocks (a loaded one must not
-        wait behind it for the blocks it holds). Returns it."""
-        seq = self.running.pop()
+    def _preempt(self, seq: Sequence, for_seq: Sequence) -> None:
+        """Evict a running request: free its blocks (its computed ones copied to the host tier first
+        when swapping and there is room, else to be recomputed) and put it at the front of the
+        queue, behind any waiting request that already holds blocks (a loaded one must not wait
+        behind it for the blocks it holds). It waits for KV blocks until the next schedule says
+        otherwise."""
+        self.running.remove(seq)
         holding = 0
         while holding < len(self.waiting) and self.waiting[holding].block_table:
             holding += 1
@@ -354,6 +481,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
+        seq.prefilled = False
+        seq.waiting_reason = "kv_blocks"
         bm, mode = self.block_manager, "recompute"
         if self.swap and seq.num_cached_tokens > 0:
             num_blocks = bm.blocks_needed(seq.num_cached_tokens)
@@ -365,7 +494,6 @@ class Scheduler:
             self.events.emit(Preempt, request_id=seq.seq_id, num_tokens=seq.num_tokens, freed_blocks=freed,
                              for_request_id=for_seq.seq_id, mode=mode,
                              cpu_block_ids=tuple(seq.swapped.cpu_block_ids) if mode == "swap" else ())
-        return seq
 
     def expect_tokens(self, batch: ScheduledBatch) -> None:
         """The batch is launched: a prefill's computed tokens count as cached and its full blocks
@@ -373,13 +501,14 @@ class Scheduler:
         the next step can be scheduled before the ids reach the host."""
         batch.sample_index = []
         bm = self.block_manager
-        for seq, num_tokens in zip(batch.seqs, batch.num_tokens):
-            if batch.is_prefill:
+        for seq, num_tokens, prefill in zip(batch.seqs, batch.num_tokens, batch.prefill):
+            if prefill:
                 bm.hash_blocks(seq, num_tokens)
                 seq.num_cached_tokens += num_tokens
                 if seq.num_cached_tokens < seq.num_tokens:
                     batch.sample_index.append(-1)  # a chunk short of the prompt's end: its sample means nothing
                     continue
+                seq.prefilled = True
             batch.sample_index.append(seq.num_tokens)
             seq.append_token(PLACEHOLDER)
 
@@ -394,10 +523,11 @@ class Scheduler:
         finished = []
         produced_ids, produced_tokens = [], []
         bm = self.block_manager
-        for seq, num_tokens, index, token_id in zip(batch.seqs, batch.num_tokens, batch.sample_index, token_ids):
+        for seq, num_tokens, prefill, index, token_id in zip(batch.seqs, batch.num_tokens, batch.prefill,
+                                                             batch.sample_index, token_ids):
             if seq.is_finished:
                 continue
-            if seq.block_table and not batch.is_prefill:
+            if seq.block_table and not prefill:
                 bm.hash_blocks(seq, num_tokens)
                 seq.num_cached_tokens += num_tokens
             if index < 0:

@@ -47,12 +47,12 @@ class Sequence:
         "detokenizer", "stop_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "num_preemptions", "num_prompt_cached_tokens", "num_prompt_host_tokens", "finish_reason",
-        "load_job", "loaded", "swapped",
+        "load_job", "loaded", "swapped", "priority", "prefilled", "waiting_reason",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
                  arrival_time: float, seq_id: int | None = None,
-                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+                 detokenizer: IncrementalDetokenizer | None = None, priority: int = 0) -> None:
         self.seq_id = next(Sequence.counter) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -89,6 +89,11 @@ class Sequence:
         self.load_job: int | None = None  # the host-tier copy it waits for (WAITING_FOR_REMOTE_KVS)
         self.loaded = False  # that copy landed and the rest of its prompt is not scheduled yet
         self.swapped: SwapEntry | None = None  # where its K/V went when it was preempted by swap
+        self.priority = priority  # lower first, under the priority policy
+        # Every token before its last has been scheduled: it decodes from now on (a prompt chunked
+        # under mixed batching runs before it is).
+        self.prefilled = False
+        self.waiting_reason: str | None = None  # why it was not admitted at the last schedule
 
     def __len__(self) -> int:
         return self.num_tokens

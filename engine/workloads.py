@@ -43,6 +43,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     tag: str = ""  # which part of a workload this request belongs to (for tables and the TUI)
+    priority: int = 0  # lower first, under the priority scheduling policy
     # Multi-turn: given this request's output tokens, the follow-up turn (arrival relative to the
     # moment this one finished).
     next_turn: Callable[[list[int]], Request | None] | None = None

@@ -1,7 +1,7 @@
 """The yardstick: nano-vllm's bench.py workload, with the memory-bandwidth floor measured in the same run.
 
     python experiments/bench.py --preset qwen3-0.6b [--peer hf] [--no-telemetry] [--enforce-eager]
-        [--ab telemetry|async-scheduling|host-tier --ab-runs 5] [--profile]
+        [--ab telemetry|async-scheduling|host-tier|batching --ab-runs 5] [--profile]
 
 256 requests (prompts U[100,1024] of ids U[0,10000], outputs U[100,1024], temperature 0.6,
 ignore_eos), one warm-up call, throughput = output tokens / wall time of the timed ``generate``. The
@@ -10,7 +10,8 @@ bandwidth measured here; throughput is reported as a share of it. ``--peer hf`` 
 workload on transformers' continuous batching, same weights, same process, and prints the ratio.
 ``--ab`` then alternates runs with a feature on and off on the same engine (this machine's drift
 hits both arms alike; ``host-tier`` needs a tier, ``--kv-offloading-size``, and takes it away for
-the off arm, staging and pool sizes unchanged); ``--profile`` lists where the GPU time of
+the off arm, staging and pool sizes unchanged; ``batching`` is vLLM V1's ``mixed`` batching on and
+nano-vllm's ``prefill-first`` off); ``--profile`` lists where the GPU time of
 full-batch decode steps goes.
 With telemetry on, every decode step is also set against its own floor, in batch ranges that
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
@@ -187,8 +188,11 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
                 if args.ab == "async-scheduling":
                     llm.config.async_scheduling = on
                 telemetry = on if args.ab == "telemetry" else not args.no_telemetry
+                if args.ab == "batching":
+                    llm.scheduler.mixed = on  # between runs the scheduler is idle: the rule may change
                 with host_tier_detached(llm, args.ab == "host-tier" and not on):
                     runs[on].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
+        llm.scheduler.mixed = llm.config.batching == "mixed"
         llm.config.async_scheduling = not args.no_async_scheduling
         on, off = statistics.median(runs[True]), statistics.median(runs[False])
         result["ab"] = {"feature": args.ab, "on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("hf",), help="also run transformers' continuous batching")
     parser.add_argument("--no-telemetry", action="store_true", help="no Prometheus exporter or recorder attached")
     parser.add_argument("--record", type=Path, help="where the recording goes (default: a temporary file)")
-    parser.add_argument("--ab", choices=("telemetry", "async-scheduling", "host-tier"),
+    parser.add_argument("--ab", choices=("telemetry", "async-scheduling", "host-tier", "batching"),
                         help="then alternate runs with this feature on and off, on the same engine")
     parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="then profile the GPU time of 20 full-batch decode steps")

@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from engine.events import (
+    EngineStarted,
     Event,
     FirstToken,
     HostHit,
@@ -100,10 +101,11 @@ def build_engine(args: argparse.Namespace, **overrides: Any) -> LLM:
 
 # --- workloads ------------------------------------------------------------------------------------
 
-def request(prompt: list[int], max_tokens: int, tag: str, at: float = 0.0) -> Request:
+def request(prompt: list[int], max_tokens: int, tag: str, at: float = 0.0, priority: int = 0) -> Request:
     """A request arriving at tick ``at``. Greedy and ``ignore_eos``, so it makes exactly ``max_tokens``
     tokens and a run is reproducible."""
-    return Request(at, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), tag=tag)
+    return Request(at, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), tag=tag,
+                   priority=priority)
 
 
 def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
@@ -192,34 +194,44 @@ def admissions(events: Iterable[Event]) -> list[Admission]:
             current[e.request_id].loaded_tokens += e.hit_tokens
         elif type(e) is SwapIn:
             current[e.request_id].loaded_tokens += e.num_tokens
-        elif type(e) is Schedule and e.phase == "prefill":
-            for rid, n in zip(e.request_ids, e.num_tokens):
-                current[rid].prefill_tokens += n
-                current[rid].chunk_steps.append(e.step)
+        elif type(e) is Schedule:
+            for rid, n, prefill in zip(e.request_ids, e.num_tokens, e.prefill):
+                if prefill:
+                    current[rid].prefill_tokens += n
+                    current[rid].chunk_steps.append(e.step)
     return result
 
 
 class RunningQueue:
     """Replays the scheduler's ``running`` queue from events, in entry order (the tail is the youngest).
 
-    A request enters when the step computing the rest of its prompt is scheduled (the scheduler
-    appends it then), and leaves when preempted or finished."""
+    A request enters when the step computing the rest of its prompt is scheduled under
+    ``prefill-first`` batching, at its first chunk under ``mixed`` (the scheduler appends it then; the
+    recording's ``engine_started`` says which), and leaves when preempted or finished."""
 
     def __init__(self) -> None:
         self.order: list[int] = []
         self._to_compute: dict[int, int] = {}  # admitted, prompt not fully scheduled yet
+        self._mixed = False
 
     def apply(self, e: Event) -> None:
-        if type(e) is PrefixHit:
+        if type(e) is EngineStarted:
+            self._mixed = e.batching == "mixed"
+        elif type(e) is PrefixHit:
             self._to_compute[e.request_id] = e.query_tokens - e.hit_tokens
         elif type(e) in (HostHit, SwapIn):
             self._to_compute[e.request_id] -= e.hit_tokens if type(e) is HostHit else e.num_tokens
-        elif type(e) is Schedule and e.phase == "prefill":
-            for rid, n in zip(e.request_ids, e.num_tokens):
+        elif type(e) is Schedule:
+            for rid, n, prefill in zip(e.request_ids, e.num_tokens, e.prefill):
+                if not prefill:
+                    continue
+                if self._mixed and rid not in self.order:
+                    self.order.append(rid)
                 self._to_compute[rid] -= n
                 if self._to_compute[rid] == 0:
                     del self._to_compute[rid]
-                    self.order.append(rid)
+                    if not self._mixed:
+                        self.order.append(rid)
         elif type(e) in (Preempt, RequestFinished):
             self._to_compute.pop(e.request_id, None)
             if e.request_id in self.order:

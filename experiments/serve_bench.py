@@ -1,6 +1,7 @@
 """The server against the engine it serves: the yardstick over HTTP, and a request-rate sweep.
 
     python experiments/serve_bench.py --preset qwen3-0.6b [--runs 2] [--sweep 2,4,8,16] [--peer hf]
+        [--sweep-batching prefill-first,mixed]
 
 Throughput: nano-vllm's bench workload (256 requests, prompts U[100,1024] of ids, outputs
 U[100,1024], temperature 0.6, ignore_eos) sent at once as streaming completions by client
@@ -12,7 +13,9 @@ difference.
 Sweep (``--sweep RATES``): guidellm (pinned in the dev extra) sends Poisson arrivals of synthetic
 chat requests at each rate, against glassbox and, with ``--peer hf``, against ``transformers
 serve --continuous-batching`` on the same weights and GPU: throughput, TTFT and ITL p50/p99 per
-rate, and the highest rate each sustains within a TTFT p99 of 1 s.
+rate, and the highest rate each sustains within a TTFT p99 of 1 s and an ITL p99 of 100 ms.
+``--sweep-batching`` sweeps glassbox once per batching rule, on the same engine (the rule changes
+between sweeps, while it is idle).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from engine.options import OptionError, add_engine_args, build_llm, model_dir, p
 from engine.workloads import bench as bench_workload  # noqa: E402
 
 TTFT_P99_TARGET_S = 1.0
+ITL_P99_TARGET_S = 0.1
 
 
 def progress(message: str) -> None:
@@ -234,8 +238,9 @@ def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: a
 
 
 def sustained(points: list[dict]) -> float:
-    """The highest rate whose TTFT p99 stays within the target (0 if none does)."""
-    return max((p["rate"] for p in points if p["ttft_p99_s"] <= TTFT_P99_TARGET_S and not p["errored"]), default=0.0)
+    """The highest rate whose TTFT p99 and ITL p99 stay within the targets (0 if none does)."""
+    return max((p["rate"] for p in points if p["ttft_p99_s"] <= TTFT_P99_TARGET_S
+                and p["itl_p99_s"] <= ITL_P99_TARGET_S and not p["errored"]), default=0.0)
 
 
 def run_hf_server(directory: Path, port: int) -> subprocess.Popen:
@@ -259,6 +264,15 @@ def run_hf_server(directory: Path, port: int) -> subprocess.Popen:
     raise RuntimeError("transformers serve did not come up within 10 minutes")
 
 
+def _batching_rules(text: str) -> str:
+    from engine.config import BATCHING
+
+    unknown = [r for r in text.split(",") if r not in BATCHING]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown batching rule(s) {', '.join(unknown)}: choose from {', '.join(BATCHING)}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--client":
         client_main(*sys.argv[2:5])
@@ -273,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per rate: this many seconds of arrivals (at least 30 requests)")
     parser.add_argument("--sweep-prompt-tokens", type=int, default=512)
     parser.add_argument("--sweep-output-tokens", type=int, default=256)
+    parser.add_argument("--sweep-batching", metavar="RULES", type=_batching_rules,
+                        help="sweep glassbox under each of these batching rules (e.g. prefill-first,mixed)")
     parser.add_argument("--peer", choices=("hf",), help="also sweep transformers serve --continuous-batching")
     parser.add_argument("--switch-interval", type=float, metavar="SECONDS",
                         help="the interpreter's GIL switch interval (default: python -m serve's)")
@@ -308,7 +324,17 @@ def run(args: argparse.Namespace) -> int:
         report_throughput(results)
     if args.sweep:
         rates = [float(r) for r in args.sweep.split(",")]
-        results["sweep_glassbox"] = sweep_glassbox(llm, exporter, directory, rates, args)
+        rules = args.sweep_batching.split(",") if args.sweep_batching else [llm.config.batching]
+        for rule in rules:
+            llm.scheduler.mixed = rule == "mixed"
+            results[f"sweep_glassbox_{rule}"] = sweep_glassbox(llm, exporter, directory, rates, args)
+        llm.scheduler.mixed = llm.config.batching == "mixed"
+        if len(rules) > 1:
+            rates_by_rule = {rule: sustained(results[f"sweep_glassbox_{rule}"]) for rule in rules}
+            results["sustained_rate_by_batching"] = rates_by_rule
+            print(f"highest rate within TTFT p99 <= {TTFT_P99_TARGET_S:g} s and ITL p99 <= "
+                  f"{ITL_P99_TARGET_S * 1e3:g} ms: " + ", ".join(f"{r} {v:g}/s" for r, v in rates_by_rule.items()))
+        results["sweep_glassbox"] = results[f"sweep_glassbox_{rules[0]}"]
         if args.peer == "hf":
             llm.close()
             del llm  # the peer needs the GPU memory the KV pool held
@@ -317,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
             results["sweep_hf"] = sweep_hf(directory, rates, args)
             ours, theirs = sustained(results["sweep_glassbox"]), sustained(results["sweep_hf"])
             results["sustained_rate"] = {"glassbox": ours, "transformers": theirs}
-            print(f"highest rate within TTFT p99 <= {TTFT_P99_TARGET_S:g} s: glassbox {ours:g}/s, "
+            print(f"highest rate within TTFT p99 <= {TTFT_P99_TARGET_S:g} s and ITL p99 <= "
+                  f"{ITL_P99_TARGET_S * 1e3:g} ms: glassbox {ours:g}/s, "
                   f"transformers {theirs:g}/s" + (f" ({ours / theirs:.1f}x)" if theirs else ""))
     exporter.close()
     if args.json:

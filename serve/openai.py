@@ -173,7 +173,7 @@ class OpenAIServing:
             raise APIError(400, message, message.split("=", 1)[0] if "=" in message else None) from None
 
     async def _submit(self, prompts: list[list[int]], params: list[SamplingParams], response_id: str,
-                      trace_headers: dict[str, str], event: asyncio.Event) -> list[_Choice]:
+                      trace_headers: dict[str, str], event: asyncio.Event, priority: int) -> list[_Choice]:
         """One engine request per prompt, all waking ``event``; if any is refused, those already
         admitted are aborted."""
         choices: list[_Choice] = []
@@ -181,7 +181,7 @@ class OpenAIServing:
             for i, (token_ids, sp) in enumerate(zip(prompts, params)):
                 client_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
                 handle = await self.engine.submit(token_ids, sp, event, client_id=client_id,
-                                                  trace_headers=trace_headers)
+                                                  trace_headers=trace_headers, priority=priority)
                 choices.append(_Choice(i, handle, token_ids, IncrementalDetokenizer(self.tokenizer, sp)))
         except BaseException as exc:
             for choice in choices:
@@ -189,7 +189,7 @@ class OpenAIServing:
             if isinstance(exc, QueueFullError):
                 raise APIError(503, str(exc), None, {"Retry-After": str(RETRY_AFTER_S)}) from None
             if isinstance(exc, RequestRejectedError):
-                raise APIError(400, str(exc), "prompt") from None
+                raise APIError(400, str(exc), exc.param) from None
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, "the engine has stopped; this server serves nothing more") from None
             raise
@@ -207,7 +207,7 @@ class OpenAIServing:
         params = [self._params(req, len(p), req.max_tokens, "max_tokens") for p in prompts]
         response_id = f"cmpl-{request_id or req.request_id or uuid.uuid4().hex[:16]}"
         event = asyncio.Event()
-        choices = await self._submit(prompts, params, response_id, trace_headers, event)
+        choices = await self._submit(prompts, params, response_id, trace_headers, event, req.priority)
         writer = _Chunks(response_id, "text_completion", self.model.name)
         if req.stream:
             return _EventStream(self.engine, choices, event, writer, req, chat=False)
@@ -234,7 +234,7 @@ class OpenAIServing:
         params = self._params(req, len(token_ids), requested, field_name)
         response_id = f"chatcmpl-{request_id or req.request_id or uuid.uuid4().hex[:16]}"
         event = asyncio.Event()
-        choices = await self._submit([token_ids], [params], response_id, trace_headers, event)
+        choices = await self._submit([token_ids], [params], response_id, trace_headers, event, req.priority)
         writer = _Chunks(response_id, "chat.completion.chunk", self.model.name)
         if req.stream:
             return _EventStream(self.engine, choices, event, writer, req, chat=True)

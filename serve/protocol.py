@@ -86,8 +86,6 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "modalities": (lambda v: _no(v) or v == ["text"], "the model is text-only"),
     "reasoning_effort": (_no, "there is no reasoning parser"),
     "thinking_token_budget": (_no, "there is no reasoning parser"),
-    # Arrives with the scheduling-policy work; until then every request is served first come, first served.
-    "priority": (lambda v: v in (None, 0), "the scheduler serves requests first come, first served"),
 }
 
 
@@ -118,6 +116,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     request_id: str | None = None
     user: str | None = None
+    # vLLM's: lower is served first; anything but 0 needs the server started with --scheduling-policy priority.
+    priority: int = 0
     # vLLM's: the choices carry their prompt's and their output's token ids (a stream: each chunk's new ones).
     return_token_ids: bool | None = None
 

@@ -29,6 +29,8 @@ from prometheus_client.utils import floatToGoString
 
 from engine.events import (
     REJECTION_CODES,
+    STEP_PHASES,
+    WAITING_REASONS,
     BlockAlloc,
     BlockEvict,
     BlockFree,
@@ -72,13 +74,14 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Where cached prompt tokens came from (vLLM's cache_hit_source.py); glassbox's are the device and the host.
 CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 # vLLM's two reasons a request waits: the scheduler ran out of something (capacity), or skipped it
-# for now (deferred). glassbox's scheduler skips none: every waiting request waits for capacity.
-WAITING_REASONS = ("capacity", "deferred")
+# for now (deferred: in glassbox, waiting for a copy from the host tier). The finer reasons are in
+# glassbox:num_requests_waiting_by_reason.
+VLLM_WAITING_REASONS = ("capacity", "deferred")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 # glassbox-only: engine steps take from well under a millisecond (tiny CPU models) to seconds.
 STEP_DURATION_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
-PHASES = ("prefill", "decode")
+PHASES = STEP_PHASES
 # The Step event's host-time breakdown: scheduling, building inputs, launching the GPU work, blocked
 # waiting for the sampled tokens, applying them.
 HOST_STAGES = ("schedule", "prepare", "launch", "wait", "postprocess")
@@ -311,7 +314,12 @@ class PrometheusExporter(Consumer):
         by_reason = self._gauge("vllm:num_requests_waiting_by_reason",
                                 "Number of requests waiting, by reason (capacity: out of budget, sequences or KV "
                                 "blocks; deferred: skipped by the scheduler for now).", ("reason",))
-        self.waiting_by_reason = {r: by_reason.labels(*lv, r) for r in WAITING_REASONS}
+        self.waiting_by_reason = {r: by_reason.labels(*lv, r) for r in VLLM_WAITING_REASONS}
+        finer = self._gauge("glassbox:num_requests_waiting_by_reason",
+                            "Requests waiting after the last step, by why: budget (the step's token budget was "
+                            "spent), max_num_seqs, kv_blocks, host_load (a copy from the host tier), order (behind "
+                            "a request the policy put first that was held back).", ("reason",))
+        self.waiting_by_finer_reason = {r: finer.labels(*lv, r) for r in WAITING_REASONS}
         self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(*lv)
         sleep = self._gauge("vllm:engine_sleep_state", "Engine sleep state (glassbox never sleeps: awake is 1).",
                             ("sleep_state",))
@@ -470,7 +478,6 @@ class PrometheusExporter(Consumer):
         """From the scheduler's own counts, carried by ``schedule`` and ``step`` events."""
         self.running.set(running)
         self.waiting.set(waiting)
-        self.waiting_by_reason["capacity"].set(waiting)
         if self._num_blocks:
             self.kv_usage.set(1.0 - free_blocks / self._num_blocks)
 
@@ -557,6 +564,11 @@ class PrometheusExporter(Consumer):
 
     def _on_step(self, e: Step) -> None:
         self._set_gauges(e.running, e.waiting, e.free_blocks)
+        by_reason = dict(zip(WAITING_REASONS, e.waiting_by_reason))
+        for reason, count in by_reason.items():
+            self.waiting_by_finer_reason[reason].set(count)
+        self.waiting_by_reason["deferred"].set(by_reason["host_load"])
+        self.waiting_by_reason["capacity"].set(e.waiting - by_reason["host_load"])
         if self.offload is not None:
             self.offload.step(e)
         # The step's tokens and first tokens were emitted just before its step event.

@@ -177,7 +177,8 @@ class FakeEngine:
             enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
             gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
             kv_offloading_size=None, kv_offloading_policy=config.kv_offloading_policy,
-            preemption_mode=config.preemption_mode, wall_time=time.time())
+            preemption_mode=config.preemption_mode, batching=config.batching,
+            scheduling_policy=config.scheduling_policy, wall_time=time.time())
         # Model-runner mimicry: decode CUDA graphs on a (pretend) CUDA device unless eager.
         self.graph_sizes: list[int] = []
         if device.startswith("cuda") and not config.enforce_eager:
@@ -188,7 +189,7 @@ class FakeEngine:
     # --- requests (LLMEngine.add_request / abort_request) --------------------------------------
 
     def add(self, prompt: list[int], max_tokens: int = 8, ignore_eos: bool = True, temperature: float = 0.0,
-            arrival_time: float | None = None) -> Sequence:
+            arrival_time: float | None = None, priority: int = 0) -> Sequence:
         """Queue a request; a refused one emits ``request_rejected`` and raises ``RequestRejectedError``
         (``LLMEngine.add_request``: checked before a ``Sequence`` exists, queued, then announced)."""
         request_id = next(Sequence.counter)
@@ -201,7 +202,7 @@ class FakeEngine:
             raise
         seq = Sequence(prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos),
                        self.config.kvcache_block_size, time.perf_counter() if arrival_time is None else arrival_time,
-                       seq_id=request_id)
+                       seq_id=request_id, priority=priority)
         self.scheduler.add(seq)
         self.all_seqs.append(seq)
         return seq
@@ -256,7 +257,7 @@ class FakeEngine:
             self.finished += self._complete(current)
         if not batch and previous is None and self.offload is not None and not self.scheduler.is_finished():
             self.offload.wait()
-        return batch.seqs, batch.is_prefill
+        return batch.seqs, batch.phase == "prefill"
 
     def drain(self) -> None:
         """Land the step in flight, if any (``LLMEngine.drain``)."""
@@ -275,17 +276,17 @@ class FakeEngine:
         if previous is not None:
             in_flight = {seq.seq_id: token for seq, token in zip(previous.batch.seqs, previous.tokens)}
         histories = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            history = seq.token_ids[: seq.num_cached_tokens + n] if batch.is_prefill else list(seq.token_ids)
+        for seq, n, prefill in zip(batch.seqs, batch.num_tokens, batch.prefill):
+            history = seq.token_ids[: seq.num_cached_tokens + n] if prefill else list(seq.token_ids)
             if history[-1] == PLACEHOLDER:
-                assert not batch.is_prefill, "a prefill read a token that was not known yet"
+                assert not prefill, "a prefill read a token that was not known yet"
                 history[-1] = in_flight[seq.seq_id]
             assert PLACEHOLDER not in history, f"request {seq.seq_id} computes an unknown token"
             histories.append(history)
-            self._attend_and_write(seq, history, len(history) - (n if batch.is_prefill else 1))
+            self._attend_and_write(seq, history, len(history) - (n if prefill else 1))
         t1 = time.perf_counter()
         padded = None
-        if not batch.is_prefill and self.graph_sizes:
+        if batch.phase == "decode" and self.graph_sizes:
             # Model-runner mimicry: a decode batch pads to the smallest captured graph that holds it.
             padded = next(size for size in self.graph_sizes if size >= len(batch.seqs))
             if self.bus.active:
@@ -321,16 +322,15 @@ class FakeEngine:
             end = time.perf_counter()
             if self.bus.active:
                 self.bus.emit(
-                    Step, phase="prefill" if batch.is_prefill else "decode", num_seqs=len(batch.seqs),
-                    num_prefill_tokens=sum(batch.num_tokens) if batch.is_prefill else 0,
-                    num_decode_tokens=0 if batch.is_prefill else len(batch.seqs),
+                    Step, phase=batch.phase, num_seqs=len(batch.seqs), num_prefill_tokens=batch.num_prefill_tokens,
+                    num_decode_tokens=batch.prefill.count(False),
                     duration_s=end - max(step.start, self._last_completion), schedule_s=step.schedule_s,
                     prepare_s=step.prepare_s, launch_s=step.launch_s,
                     wait_s=0.0,  # the fake samples are on the host at once
                     postprocess_s=end - t, padded_batch_size=step.padded_batch_size,
                     waiting=len(scheduler.waiting) + len(scheduler.loading), running=len(scheduler.running),
                     free_blocks=scheduler.block_manager.num_free_blocks, loading=len(scheduler.loading),
-                    free_cpu_blocks=scheduler.free_cpu_blocks)
+                    free_cpu_blocks=scheduler.free_cpu_blocks, waiting_by_reason=scheduler.waiting_by_reason())
             self._last_completion = end
             return finished
         finally:

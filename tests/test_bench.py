@@ -93,6 +93,22 @@ def test_a_cpu_run_of_the_host_tier_ab_alternates_the_arms(tiny_checkpoint, caps
     assert "bench: --ab host-tier: runs 1 of 1, on and off" in capsys.readouterr().err
 
 
+def test_the_batching_ab_runs_mixed_then_prefill_first(tiny_checkpoint, capsys, monkeypatch):
+    rules, timed_run = [], bench.timed_run
+
+    def watched(llm, *args, **kwargs):
+        rules.append("mixed" if llm.scheduler.mixed else "prefill-first")
+        return timed_run(llm, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "timed_run", watched)
+    argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--num-requests", "1", "--ab", "batching",
+            "--ab-runs", "1", "--block-size", "16"]
+    assert bench.main(argv) == 0
+    # The first timed run under the engine's own rule, then the arms: on (mixed), off.
+    assert rules == ["prefill-first", "mixed", "prefill-first"]
+    assert "bench: --ab batching: runs 1 of 1, on and off" in capsys.readouterr().err
+
+
 def test_the_tier_benchmark_runs_on_the_cpu(tiny_checkpoint, capsys):
     """A smoke run of experiments/kv_offload_bench.py: small and on the CPU, it measures nothing."""
     argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--blocks", "4", "--iters", "1", "--conversations",

@@ -17,6 +17,7 @@ requests = st.lists(
         st.integers(1, 40),  # max_tokens
         st.booleans(),  # ignore_eos
         st.integers(0, 6),  # arrives after this many steps
+        st.integers(0, 3),  # priority (under the priority policy)
     ),
     min_size=1,
     max_size=14,
@@ -40,10 +41,13 @@ requests = st.lists(
     staging=st.integers(1, 8),
     transfer_delay=st.integers(0, 3),
     aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 40)), max_size=3),  # (request, at step)
+    batching=st.sampled_from(["prefill-first", "mixed"]),
+    scheduling=st.sampled_from(["fcfs", "priority", "lpm"]),
+    threshold=st.sampled_from([0, 0, 8, 24]),
 )
 def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, max_num_seqs, prefix_caching,
                                           eos, seed, overlap, host_blocks, policy, swap, staging, transfer_delay,
-                                          aborts):
+                                          aborts, batching, scheduling, threshold):
     # overlap: each step is postprocessed after the next one is scheduled and launched.
     tier = {}
     if host_blocks:
@@ -51,17 +55,19 @@ def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, 
                     kv_offloading_staging_blocks=staging, preemption_mode="swap" if swap else "recompute")
     engine = FakeEngine(overlap=overlap, transfer_delay=transfer_delay, kvcache_block_size=block_size,
                         num_kvcache_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                        enable_prefix_caching=prefix_caching, eos=eos, max_model_len=160, **tier)
+                        enable_prefix_caching=prefix_caching, eos=eos, max_model_len=160, batching=batching,
+                        scheduling_policy=scheduling, long_prefill_token_threshold=threshold, **tier)
     prefixes = {p: [(seed + p * 97 + i * 13) % VOCAB for i in range(p * 20)] for p in range(4)}
     pending = sorted(enumerate(reqs), key=lambda r: r[1][4])
     accepted, rejected = [], 0
     steps = 0
     while pending or not engine.is_finished():
         while pending and pending[0][1][4] <= steps:
-            i, (prefix, own, max_tokens, ignore_eos, _) = pending.pop(0)
+            i, (prefix, own, max_tokens, ignore_eos, _, priority) = pending.pop(0)
             prompt = prefixes[prefix] + [(seed + i * 7 + j) % VOCAB for j in range(own)]
             try:
-                accepted.append(engine.add(prompt, max_tokens=max_tokens, ignore_eos=ignore_eos))
+                accepted.append(engine.add(prompt, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                           priority=priority if scheduling == "priority" else 0))
             except ValueError:
                 rejected += 1
                 assert engine.scheduler.block_manager.blocks_needed(

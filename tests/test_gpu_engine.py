@@ -115,3 +115,27 @@ def test_kv_sizing_fills_the_requested_share_and_errors_clearly():
     assert blocks[0.4] > 1.5 * blocks[0.2]
     with pytest.raises(RuntimeError, match="gpu_memory_utilization"):
         LLM(str(model_dir), gpu_memory_utilization=0.001, enforce_eager=True)
+
+
+@pytest.mark.parametrize("preset,block_size", [("tiny", 16), ("qwen3-0.6b", 256)])
+def test_mixed_batching_matches_transformers_through_prefill_and_decode_in_one_step(preset, block_size):
+    """vLLM V1's mixed steps: decode rows (one query token each) and prefill chunks through the
+    varlen attention kernel together, CUDA graphs for the pure-decode steps."""
+    model_dir = ensure_checkpoint(preset)
+    llm = LLM(str(model_dir), kvcache_block_size=block_size, max_model_len=2048, gpu_memory_utilization=0.5,
+              batching="mixed", max_num_batched_tokens=128)
+    events = []
+    llm.events.subscribe(events.append)
+    prompts = prompts_for(llm.model_config.vocab_size, [7, 100, 333, 600, 1000, 31], seed=1)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    steps = [e for e in events if e.kind == "step"]
+    mixed = [s for s in steps if s.phase == "mixed"]
+    assert len(mixed) >= 5 and all(s.num_prefill_tokens and s.num_decode_tokens for s in mixed)
+    assert any(e.kind == "cudagraph_replay" for e in events)
+    counts = check_against_reference(model_dir, prompts, outputs)
+    assert counts["exempt"] <= 0.05 * counts["checked"]
+    assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]

@@ -385,12 +385,14 @@ def test_gpu_copies_through_the_streams_are_bit_identical(gpu):
     kv.normal_(generator=gen)  # on the compute stream, not waited for: the store must be ordered after it
     original = kv.clone()
     jobs = [TransferSpec(i, True, tuple(range(8 * i, 8 * i + 8)), tuple(range(8 * i, 8 * i + 8))) for i in range(6)]
+    landed = []
     for spec in jobs:
-        while len(handler.free_slots) < 8:
+        while len(handler.free_slots) < 8:  # each job takes the whole staging: the next waits for it
             handler.wait()
-            handler.poll()
+            landed += handler.poll()
         handler.submit([spec])
-    assert sorted(r.job_id for r in handler.drain()) == list(range(6))
+    landed += handler.drain()
+    assert sorted(r.job_id for r in landed) == list(range(6))
     torch.cuda.synchronize()
     for block in range(48):
         assert torch.equal(handler.host[block].cuda(), original[:, :, block])

@@ -32,11 +32,12 @@ from engine.events import (
     Step,
     Tokens,
 )
-from experiments import chunked_prefill, common, continuous_batching, kv_offload, preemption, prefix_cache
+from experiments import chunked_prefill, common, continuous_batching, kv_offload, preemption, prefix_cache, scheduling
 from telemetry.recorder import EventRecorder
+from tests.control_plane import workload_events
 
 REPO = Path(__file__).resolve().parents[1]
-LABS = [prefix_cache, chunked_prefill, preemption, continuous_batching, kv_offload]
+LABS = [prefix_cache, chunked_prefill, preemption, continuous_batching, kv_offload, scheduling]
 
 
 @pytest.fixture(autouse=True)
@@ -139,13 +140,13 @@ def test_a_script_exits_non_zero_when_its_mechanism_is_off(tiny_checkpoint, tmp_
 
 def arrived(rid: int, prompt_tokens: int, max_tokens: int) -> RequestArrived:
     return RequestArrived(t=0, step=0, request_id=rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                          temperature=0, top_p=1.0, top_k=0, arrival=0.0, client_id=None, traceparent=None,
+                          temperature=0, top_p=1.0, top_k=0, priority=0, arrival=0.0, client_id=None, traceparent=None,
                           tracestate=None)
 
 
 def schedule(step: int, phase: str, ids: tuple[int, ...], tokens: tuple[int, ...], running: int) -> Schedule:
     return Schedule(t=step, step=step, phase=phase, request_ids=ids, num_tokens=tokens,
-                    chunked=(False,) * len(ids), waiting=0, running=running, free_blocks=4)
+                    prefill=(phase == "prefill",) * len(ids), chunked=(False,) * len(ids), waiting=0, running=running, free_blocks=4)
 
 
 def step_done(step: int, phase: str, num_seqs: int, num_tokens: int) -> Step:
@@ -153,7 +154,7 @@ def step_done(step: int, phase: str, num_seqs: int, num_tokens: int) -> Step:
     return Step(t=step + 0.5, step=step, phase=phase, num_seqs=num_seqs, num_prefill_tokens=num_tokens if prefill else 0,
                 num_decode_tokens=0 if prefill else num_tokens, duration_s=0.25, schedule_s=0, prepare_s=0,
                 launch_s=0, wait_s=0, postprocess_s=0, padded_batch_size=None, waiting=0, running=num_seqs,
-                free_blocks=4, loading=0, free_cpu_blocks=0)
+                free_blocks=4, loading=0, free_cpu_blocks=0, waiting_by_reason=(0,) * 5)
 
 
 def finished(step: int, rid: int, preemptions: int) -> RequestFinished:
@@ -204,6 +205,26 @@ def test_running_queue_replays_entry_order_and_matches_the_engines_count():
         if type(e) is Schedule:
             assert len(queue.order) == e.running, f"step {e.step}: {queue.order}"
     assert tails_at_preemption == [2] and queue.order == []
+
+
+@pytest.mark.parametrize("batching", ["prefill-first", "mixed"])
+def test_running_queue_follows_the_engine_under_each_batching_rule(batching):
+    queue, preempted, victims_were_youngest = common.RunningQueue(), 0, True
+    for e in workload_events(rounds=2, batching=batching):
+        if type(e) is Preempt:
+            preempted += 1
+            victims_were_youngest &= queue.order[-1] == e.request_id
+        queue.apply(e)
+        if type(e) is Schedule:
+            assert len(queue.order) == e.running, f"step {e.step}: {queue.order}"
+    assert preempted and victims_were_youngest
+
+
+def test_a_decode_stall_counts_the_prompt_tokens_computed_between_two_tokens():
+    rec = common.Recording("r", Path("x"), {"block_size": 16}, hand_made_run(), {1: "a", 2: "b"})
+    # Request 1's tokens at steps 2, 5, 7: steps 3-5 computed 16 + 4 + 0 prompt tokens, steps 6-7 5 + 0.
+    # Request 2's at steps 4, 6, 7 (its prompt recomputed at step 6 after its preemption): 0 + 5, then 0.
+    assert sorted(scheduling.decode_stalls(rec)) == [0, 5, 5, 20]
 
 
 def test_step_and_request_rows():

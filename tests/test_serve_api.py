@@ -240,6 +240,9 @@ BAD_REQUESTS = [
     ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [1, 2, 99999]}, 400, "vocabulary", "prompt"),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, "Not Found", None),
+    ("priority without the priority policy", "/v1/completions", {"prompt": "x", "priority": 3}, 400,
+     "--scheduling-policy priority", "priority"),
+    ("priority not an integer", "/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority", "priority"),
 ]
 
 
@@ -329,6 +332,36 @@ def test_full_queue_is_503_with_retry_after(tiny_checkpoint):
             thread.join(30)
         assert [r.status_code for r in results] == [200, 200]
         assert 'reason="max_num_queued_reqs"} 1.0' in (server.exporter.flush() and httpx.get(server.url + "/metrics").text)
+
+
+def test_priority_field_orders_the_queue(tiny_checkpoint):
+    """Under --scheduling-policy priority the HTTP ``priority`` field decides who is admitted next."""
+    with in_process_server(tiny_checkpoint, scheduling_policy="priority", max_num_seqs=1) as server:
+        server.live.pause()
+        events = []
+        server.llm.events.subscribe(events.append)
+        priorities = [5, 0, 9, -2, 0, 3]
+        results: list[httpx.Response] = []
+
+        def post(priority: int) -> None:
+            results.append(httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "prompt": f"request with priority {priority}", "max_tokens": 2, "priority": priority}))
+
+        threads = []
+        for priority in priorities:  # queued one after the other, in this order
+            threads.append(threading.Thread(target=post, args=(priority,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 10
+            while len(server.llm.scheduler.waiting) < len(threads) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        server.live.resume()
+        for thread in threads:
+            thread.join(30)
+        assert [r.status_code for r in results] == [200] * len(priorities)
+        given = {e.request_id: e.priority for e in events if e.kind == "request_arrived"}
+        admitted = [given[e.request_id] for e in events if e.kind == "prefix_hit"]
+        assert admitted == sorted(priorities)  # ties (the two 0s) by arrival
+        assert server.wait_idle()
 
 
 def test_api_key_guards_v1_only(tiny_checkpoint):

@@ -20,7 +20,7 @@ from rich.console import Console
 from textual.widget import Widget
 from textual.widgets import DataTable
 
-from engine.events import EngineStarted, Event, PrefixHit, RequestRejected
+from engine.events import EngineStarted, Event, PrefixHit, RequestRejected, Step
 from engine.options import build_llm
 from telemetry.recorder import EventRecorder, RecordingError, read_recording
 from tests.control_plane import run_workload, workload_engine, workload_events
@@ -31,7 +31,10 @@ from tui.sources import EngineError, LiveSource, ReplaySource, ScriptedSource
 from tui.state import DashboardState
 from tui.widgets.event_feed import EventFeed, FeedLines
 from tui.widgets.header import HeaderBar
+from tui import palette
 from tui.widgets.help import HelpScreen
+from tui.widgets.timeline import StepTimeline
+from tui.widgets.requests import state_label
 
 RECORDING = Path(__file__).parent / "data" / "dashboard.jsonl.gz"
 END = 10**9
@@ -133,7 +136,8 @@ def test_at_80x24_header_footer_and_table_fit_without_wrapping(live):
             states = set()
             for line, row in zip(lines[1:], app.state.table_rows()):  # the table lists them in this order
                 line = line[:table.scrollable_content_region.width].rstrip()
-                assert line.split()[:2] == [str(row.request_id), row.state]
+                label = state_label(row)  # a waiting request's says why it waits: "wait kv", ...
+                assert line.split()[:1 + len(label.split())] == [str(row.request_id), *label.split()]
                 states.add(row.state)
                 if row.ttft is not None:
                     assert line.endswith(f" {fmt.seconds(row.ttft)}")  # whole, unit and all
@@ -193,7 +197,52 @@ def test_the_footer_offers_resume_while_paused():
     run(go())
 
 
-@pytest.mark.parametrize("size", [(160, 48), (200, 50)])
+def test_a_mixed_step_stacks_its_decode_tokens_under_its_prefill_chunks():
+    _, events = read_recording(RECORDING)
+    started = dataclasses.replace(next(e for e in events if isinstance(e, EngineStarted)), batching="mixed")
+    t = started.t
+    steps = [Step(t=t + n, step=n, phase=phase, num_seqs=seqs, num_prefill_tokens=prefill, num_decode_tokens=decode,
+                  duration_s=0.01, schedule_s=0, prepare_s=0, launch_s=0, wait_s=0, postprocess_s=0,
+                  padded_batch_size=None, waiting=0, running=seqs, free_blocks=10, loading=0, free_cpu_blocks=0,
+                  waiting_by_reason=(0,) * 5)
+             for n, (phase, seqs, prefill, decode) in enumerate(
+                 [("prefill", 1, 200, 0), ("mixed", 9, 200, 8), ("decode", 9, 0, 9)], start=1)]
+
+    async def go():
+        app = DashboardApp(ScriptedSource([started, *steps]))
+        async with app.run_test(size=(100, 60)) as pilot:  # tall enough for bars of several rows
+            await _settle(pilot)
+            assert "mixed · fcfs" in screen(app)[0]
+            timeline = app.query_one(StepTimeline)
+            assert "#3 decode" in str(timeline.border_title) and "(stacked: mixed)" in str(timeline.border_subtitle)
+            text = timeline.render()
+            rows = text.plain.split("\n")
+            width = len(rows[0])
+            colours = [[None] * width for _ in rows]
+            offset = 0
+            for r, row in enumerate(rows):  # the colour of each cell, from the spans over it
+                for span in text.spans:
+                    for c in range(max(span.start, offset) - offset, min(span.end, offset + len(row)) - offset):
+                        colours[r][c] = str(span.style)
+                offset += len(row) + 1
+            bars = rows[:-2]  # the marks row and the host-copies row (none: no tier) are below
+            columns = {name: [(colours[r][c], bars[r][c]) for r in range(len(bars)) if bars[r][c] != " "]
+                       for name, c in (("prefill", width - 3), ("mixed", width - 2), ("decode", width - 1))}
+            assert {colour for colour, _ in columns["prefill"]} == {palette.PREFILL}
+            assert {colour for colour, _ in columns["decode"]} == {palette.DECODE}
+            # Top to bottom: prefill cells over decode cells, and as tall as the prefill-only step.
+            mixed = [colour for colour, _ in columns["mixed"]]
+            assert mixed == sorted(mixed, key=lambda colour: colour == palette.DECODE)
+            assert set(mixed) == {palette.PREFILL, palette.DECODE}
+            assert len(mixed) >= len(columns["prefill"])
+            app.state.timeline.pop()  # the title names the newest step: make it the mixed one
+            timeline.show(app.state)
+            assert "#2 mixed · 9 seqs · 200+8 tok" in str(timeline.border_title)
+
+    run(go())
+
+
+@pytest.mark.parametrize("size", [(180, 48), (200, 50)])
 def test_a_large_terminal_keeps_everything(size):
     async def go():
         app = replay_app()
@@ -203,11 +252,11 @@ def test_a_large_terminal_keeps_everything(size):
             # The recording's own uptime and rates (a regenerated recording has other timings).
             state = reduced(list(read_recording(RECORDING)[1]))
             steps, prompt_tps, gen_tps = state.rates()
-            for item in ("tiny · cpu · float32 · torch · eager", f"up {fmt.clock(state.uptime())}",
+            for item in ("tiny · cpu · float32 · torch · eager", "prefill-first · fcfs", f"up {fmt.clock(state.uptime())}",
                          f"{steps:.1f} steps/s", f"prompt {fmt.count(prompt_tps)} tok/s",
                          f"gen {fmt.count(gen_tps)} tok/s", "paused · dashboard.jsonl.gz · end · speed ×1"):
                 assert item in rows[0]
-            assert "Queues waiting 56 · running 3 · done 12" in rows[1] and "■evicted" in "\n".join(rows)
+            assert "Queues waiting 56 (kv 1, ord 55) · running 3 · done 12" in rows[1] and "■evicted" in "\n".join(rows)
             assert "Steps  #220 decode · 3 seqs · 3 tok · " in "\n".join(rows)
             assert not any(row.rstrip().endswith("…") for row in rows_of(app, app.query_one(FeedLines)))
 

@@ -29,7 +29,7 @@ from tui.state import FEED_RUN_IDS, FEED_SIZE, FINISHED_KEPT, BlockState, Dashbo
 
 def arrived(rid: int, prompt_tokens: int, max_tokens: int, temperature: float = 0.0) -> RequestArrived:
     return RequestArrived(t=101, step=0, request_id=rid, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                          temperature=temperature, top_p=1.0, top_k=0, arrival=101.0, client_id=None,
+                          temperature=temperature, top_p=1.0, top_k=0, priority=0, arrival=101.0, client_id=None,
                           traceparent=None, tracestate=None)
 
 
@@ -39,14 +39,15 @@ def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
                          max_model_len=256, enable_prefix_caching=True, enforce_eager=True,
                          tensor_parallel_size=1, gpu_memory_utilization=0.9, num_cpu_blocks=0,
                          kv_offloading_size=None, kv_offloading_policy="write-through",
-                         preemption_mode="recompute", wall_time=0.0)
+                         preemption_mode="recompute", batching="prefill-first",
+                         scheduling_policy="fcfs", wall_time=0.0)
 
 
 def step(n: int, t: float, phase: str = "decode", prefill: int = 0, decode: int = 1) -> Step:
     return Step(t=t, step=n, phase=phase, num_seqs=max(1, decode), num_prefill_tokens=prefill,
                 num_decode_tokens=decode, duration_s=0.01, schedule_s=0, prepare_s=0, launch_s=0, wait_s=0,
                 postprocess_s=0, padded_batch_size=None, waiting=0, running=decode, free_blocks=0, loading=0,
-                free_cpu_blocks=0)
+                free_cpu_blocks=0, waiting_by_reason=(0,) * 5)
 
 
 def fed(*events) -> DashboardState:
@@ -148,7 +149,7 @@ def test_request_lifecycle_in_the_table():
         arrived(7, prompt_tokens=40, max_tokens=5, temperature=0.8),
         BlockAlloc(t=102, step=1, request_id=7, block_ids=(0, 1, 2), refcounts=(1, 1, 1), medium="GPU"),
         PrefixHit(t=102, step=1, request_id=7, query_tokens=40, hit_tokens=32, hit_block_ids=(0, 1)),
-        Schedule(t=102, step=1, phase="prefill", request_ids=(7,), num_tokens=(8,), chunked=(False,), waiting=0,
+        Schedule(t=102, step=1, phase="prefill", request_ids=(7,), num_tokens=(8,), prefill=(True,), chunked=(False,), waiting=0,
                  running=1, free_blocks=5),
     )
     row = state.requests[7]
@@ -189,7 +190,7 @@ def test_finished_rows_are_bounded_and_newest_first():
 
 def test_timeline_marks_chunks_preemptions_and_graph_replays():
     state = fed(
-        Schedule(t=101, step=1, phase="prefill", request_ids=(1, 2), num_tokens=(48, 16), chunked=(True, False),
+        Schedule(t=101, step=1, phase="prefill", request_ids=(1, 2), num_tokens=(48, 16), prefill=(True, True), chunked=(True, False),
                  waiting=1, running=1, free_blocks=3),
         step(1, 101.1, "prefill", prefill=64, decode=0),
         Preempt(t=102, step=2, request_id=2, num_tokens=20, freed_blocks=2, for_request_id=1, mode="recompute", cpu_block_ids=()),
@@ -282,7 +283,7 @@ def test_a_workload_feed_has_no_two_eviction_lines_in_a_row():
 def test_a_chunked_prefill_is_one_line_counting_its_chunks():
     def chunk(n: int, request_ids: tuple[int, ...], tokens: tuple[int, ...], chunked: tuple[bool, ...]) -> Schedule:
         return Schedule(t=100 + n, step=n, phase="prefill", request_ids=request_ids, num_tokens=tokens,
-                        chunked=chunked, waiting=1, running=0, free_blocks=1)
+                        prefill=(True,) * len(tokens), chunked=chunked, waiting=1, running=0, free_blocks=1)
 
     state = fed(chunk(1, (5,), (64,), (True,)), chunk(2, (5,), (64,), (True,)),
                 chunk(3, (5, 6), (30, 34), (True, False)))  # the last chunk, then a whole prompt

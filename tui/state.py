@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from engine.events import (
+    WAITING_REASONS,
     BlockAlloc,
     BlockEvict,
     BlockFree,
@@ -35,6 +36,7 @@ from engine.events import (
     Step,
     SwapIn,
     Tokens,
+    Waiting,
 )
 from tui import format as fmt
 
@@ -75,6 +77,7 @@ class RequestRow:
     max_tokens: int
     arrival: float
     state: str = "waiting"  # waiting, loading, prefill, decode, preempted, then the finish reason
+    waiting_reason: str = ""  # while waiting: one of engine.events.WAITING_REASONS
     cached_tokens: int = 0  # prompt tokens not computed at first admission: GPU and host-tier hits
     generated: int = 0
     preemptions: int = 0
@@ -279,6 +282,16 @@ class DashboardState:
     def waiting(self) -> int:
         return self.count("waiting", "preempted", "loading")
 
+    def waiting_reasons(self) -> dict[str, int]:
+        """Waiting requests by why they wait (those the engine has not yet said, left out)."""
+        counts = dict.fromkeys(WAITING_REASONS, 0)
+        for row in self.requests.values():
+            if row.state == "loading":
+                counts["host_load"] += 1
+            elif row.state in ("waiting", "preempted") and row.waiting_reason:
+                counts[row.waiting_reason] += 1
+        return counts
+
     @property
     def running(self) -> int:
         return self.count("prefill", "decode")
@@ -369,8 +382,8 @@ class DashboardState:
         self.requests = {rid: row for rid, row in self.requests.items() if row.finished}
         for i, rid in enumerate(e.request_ids):
             self.requests[rid] = RequestRow(rid, e.prompt_tokens[i], e.max_tokens[i], e.arrivals[i], state=e.states[i],
-                                            cached_tokens=e.cached_tokens[i], generated=e.output_tokens[i],
-                                            preemptions=e.num_preemptions[i])
+                                            waiting_reason=e.waiting_reasons[i], cached_tokens=e.cached_tokens[i],
+                                            generated=e.output_tokens[i], preemptions=e.num_preemptions[i])
 
     def _on_graph_capture(self, e: CudaGraphCapture) -> None:
         self.graph_batch_sizes = e.batch_sizes
@@ -483,11 +496,17 @@ class DashboardState:
         self.bytes_stored += e.num_bytes
         draft.stored_blocks += n
 
-    def _on_schedule(self, e: Schedule) -> None:
-        for request_id in e.request_ids:
+    def _on_waiting(self, e: Waiting) -> None:
+        for request_id, reason in zip(e.request_ids, e.reasons):
             row = self.requests.get(request_id)
             if row is not None:
-                row.state = e.phase
+                row.waiting_reason = reason
+
+    def _on_schedule(self, e: Schedule) -> None:
+        for request_id, prefill in zip(e.request_ids, e.prefill):
+            row = self.requests.get(request_id)
+            if row is not None:
+                row.state = "prefill" if prefill else "decode"
         chunks = sum(e.chunked)
         self._draft_for(e.step).chunks += chunks
         self.num_chunks += chunks
@@ -509,6 +528,7 @@ class DashboardState:
         row = self.requests.get(e.request_id)
         if row is not None:
             row.state = "preempted"
+            row.waiting_reason = "kv_blocks"
             row.preemptions += 1
         self._draft_for(e.step).preemptions += 1
         # Who it gave way to comes before the detail, which a narrow panel may crop.
@@ -598,6 +618,7 @@ _HANDLERS = {
     BlockStored: DashboardState._on_block_stored,
     BlockEvict: DashboardState._on_block_evict,
     Schedule: DashboardState._on_schedule,
+    Waiting: DashboardState._on_waiting,
     Preempt: DashboardState._on_preempt,
     CudaGraphReplay: DashboardState._on_graph_replay,
     Step: DashboardState._on_step,

@@ -1,4 +1,9 @@
-"""Queues and requests: waiting/running counts and one table row per request, updated by diff."""
+"""Queues and requests: waiting/running counts and one table row per request, updated by diff.
+
+A waiting request's state says why it waits: ``wait tok`` (the step's token budget was spent),
+``wait seq`` (``max_num_seqs`` run), ``wait kv`` (too few free KV blocks), ``wait host`` (a copy from
+the host tier), ``wait ord`` (behind a request the policy put first).
+"""
 
 from __future__ import annotations
 
@@ -18,16 +23,25 @@ STATE_STYLES = {"waiting": palette.WAITING, "loading": palette.MOVED, "prefill":
                 "decode": palette.DECODE, "preempted": f"bold {palette.PREEMPT}"}
 
 Cells = tuple[str, str, str, str, str, str, str]
+WAIT_LABELS = {"budget": "wait tok", "max_num_seqs": "wait seq", "kv_blocks": "wait kv", "host_load": "wait host",
+               "order": "wait ord"}
+
+
+def state_label(row: RequestRow) -> str:
+    """The state column: a waiting request's names why it waits."""
+    if row.state == "waiting" and row.waiting_reason:
+        return WAIT_LABELS[row.waiting_reason]
+    return row.state
 
 
 def _cells(row: RequestRow) -> Cells:
-    return (str(row.request_id), row.state, str(row.prompt_tokens), str(row.cached_tokens) if row.cached_tokens else "",
+    return (str(row.request_id), state_label(row), str(row.prompt_tokens), str(row.cached_tokens) if row.cached_tokens else "",
             f"{row.generated}/{row.max_tokens}", str(row.preemptions) if row.preemptions else "",
             fmt.seconds(row.ttft) if row.ttft is not None else "")
 
 
 def _render(cells: Cells) -> list[Text]:
-    state_style = STATE_STYLES.get(cells[1], "dim")
+    state_style = STATE_STYLES.get("waiting" if cells[1].startswith("wait ") else cells[1], "dim")
     out = []
     for i, value in enumerate(cells):
         style = state_style if i == 1 else ("dim" if state_style == "dim" else "")
@@ -57,7 +71,10 @@ class RequestsPanel(Vertical):
 
     def show(self, state: DashboardState) -> None:
         self._state = state
+        reasons = state.waiting_reasons()
+        why = ", ".join(f"{WAIT_LABELS[r].removeprefix('wait ')} {n}" for r, n in reasons.items() if n)
         parts = [(1, Text("Queues ")), (9, Text(f"waiting {state.waiting}", style=palette.WAITING)),
+                 (4, Text(f" ({why})" if why else "", style=palette.WAITING)),
                  (9, Text.assemble(" · ", (f"running {state.running}", palette.DECODE))),
                  (5, Text(f" · done {state.num_finished}"))]
         if state.num_rejected:

@@ -1,7 +1,8 @@
 """The step timeline: one column per engine step, newest on the right.
 
 Bar height is tokens computed in the step (log scale, so a 1-token decode is still visible next to
-a 256-token prefill); colour is the phase. The bottom row marks what else happened in the step:
+a 256-token prefill); colour is the phase. A mixed step (vLLM V1's batching) stacks its decode
+tokens under its prefill chunks, each part at least one row when the bar has two. The bottom row marks what else happened in the step:
 P a preemption, c a chunked-prefill chunk, g a CUDA-graph replay. With a host tier a row above it
 shows the copies between the tiers that landed in the step, beside the compute: ↑ blocks stored to
 the host, ↓ loaded back, ↕ both.
@@ -19,10 +20,11 @@ from tui import palette
 from tui.state import DashboardState, StepRecord
 
 BARS = " ▁▂▃▄▅▆▇█"
-PHASE_STYLES = {"prefill": palette.PREFILL, "decode": palette.DECODE}
+ROW_LEVELS = len(BARS) - 1
 MARKS = (("P", f"bold {palette.PREEMPT}"), ("c", f"bold {palette.CHUNK}"), ("g", palette.GRAPH), ("·", palette.FREE))
-LEGEND = (f"[{palette.PREFILL}]█[/] prefill [{palette.DECODE}]█[/] decode  [b {palette.PREEMPT}]P[/] preempt "
+LEGEND = (f"[{palette.PREFILL}]█[/] prefill [{palette.DECODE}]█[/] decode{{mixed}}  [b {palette.PREEMPT}]P[/] preempt "
           f"[b {palette.CHUNK}]c[/] chunk [{palette.GRAPH}]g[/] graph (log height)")
+MIXED_LEGEND = " (stacked: mixed)"
 HOST_LEGEND = f"  [{palette.MOVED}]↑↓[/] host copies"
 TRANSFERS = {(True, False): "↑", (False, True): "↓", (True, True): "↕", (False, False): " "}
 
@@ -37,6 +39,16 @@ def _mark(record: StepRecord) -> tuple[str, str]:
     return MARKS[3]
 
 
+def _decode_rows(record: StepRecord, bar_levels: int, levels: int, peak: int) -> int:
+    """How many of a bar's bottom rows take the decode colour."""
+    rows = math.ceil(bar_levels / ROW_LEVELS)
+    if record.phase != "mixed":
+        return rows if record.phase == "decode" else 0
+    # The decode part at its own log height, but never hiding either part of a bar of two rows or more.
+    own = round(levels * math.log1p(record.decode_tokens) / math.log1p(max(peak, 1)) / ROW_LEVELS)
+    return min(max(own, 1), rows - 1)
+
+
 class StepTimeline(Widget):
     DEFAULT_CSS = "StepTimeline { height: 1fr; }"
 
@@ -44,7 +56,7 @@ class StepTimeline(Widget):
         super().__init__(**kwargs)
         self._state: DashboardState | None = None
         self.border_title = "Steps"
-        self.border_subtitle = LEGEND
+        self.border_subtitle = LEGEND.format(mixed="")
 
     def on_resize(self) -> None:
         if self._state is not None:  # the title's room depends on the width
@@ -52,10 +64,13 @@ class StepTimeline(Widget):
 
     def show(self, state: DashboardState) -> None:
         self._state = state
-        self.border_subtitle = LEGEND + (HOST_LEGEND if state.num_cpu_blocks else "")
+        mixed = state.engine is not None and state.engine.batching == "mixed"
+        self.border_subtitle = (LEGEND.format(mixed=MIXED_LEGEND if mixed else "")
+                                + (HOST_LEGEND if state.num_cpu_blocks else ""))
         if state.timeline:
             last = state.timeline[-1]
-            tokens = last.prefill_tokens or last.decode_tokens
+            tokens = (f"{last.prefill_tokens}+{last.decode_tokens}" if last.phase == "mixed"
+                      else last.prefill_tokens or last.decode_tokens)
             # (priority, text): a narrow panel keeps the step and the run's chunk and preemption counts.
             parts = [(1, Text("Steps  ")), (9, Text(f"#{last.step} {last.phase}")),
                      (4, Text(f" · {last.num_seqs} seqs")), (5, Text(f" · {tokens} tok")),
@@ -73,21 +88,23 @@ class StepTimeline(Widget):
         records = list(state.timeline)[-width:] if state is not None else []
         transfers = state is not None and state.num_cpu_blocks > 0 and height > 2
         bar_rows = height - 1 - transfers
-        levels = bar_rows * (len(BARS) - 1)
+        levels = bar_rows * ROW_LEVELS
         # A fixed scale (the step's token budget) keeps a decode step short next to a full prefill
         # even when no prefill is in view.
         budget = state.engine.max_num_batched_tokens if state is not None and state.engine is not None else 1
         peak = max([budget, *(r.prefill_tokens + r.decode_tokens for r in records)])
         heights = [round(levels * math.log1p(r.prefill_tokens + r.decode_tokens) / math.log1p(max(peak, 1)))
                    for r in records]
+        decode_rows = [_decode_rows(r, h, levels, peak) for r, h in zip(records, heights)]
         pad = width - len(records)
         text = Text(no_wrap=True, overflow="crop")
         for row in range(bar_rows):
-            floor = (bar_rows - 1 - row) * (len(BARS) - 1)  # levels below this row
+            from_bottom = bar_rows - 1 - row
+            floor = from_bottom * ROW_LEVELS  # levels below this row
             text.append(" " * pad)
-            for record, h in zip(records, heights):
-                fill = max(0, min(len(BARS) - 1, h - floor))
-                text.append(BARS[fill], style=PHASE_STYLES.get(record.phase, ""))
+            for h, low in zip(heights, decode_rows):
+                fill = max(0, min(ROW_LEVELS, h - floor))
+                text.append(BARS[fill], style=palette.DECODE if from_bottom < low else palette.PREFILL)
             text.append("\n")
         if transfers:
             text.append(" " * pad)
