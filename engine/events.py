@@ -28,15 +28,16 @@ logger = logging.getLogger(__name__)
 # ``last_token`` (``last_scheduled`` is gone); ``request_rejected`` has a reason ``code``.
 # Version 3: ``engine_started`` has ``gpu_memory_utilization``; ``request_arrived`` has ``top_p``,
 # ``top_k``, the client's request id and its W3C trace context; ``snapshot`` is new.
-# Version 4, the host KV tier and the scheduling policies: block events have a ``medium``
-# (``GPU``/``CPU``); ``host_hit``, ``swap_in``, ``kv_transfer`` and ``waiting`` are new; ``preempt`` has
-# its ``mode`` and the host blocks a swap went to; ``engine_started`` has the tier's size and policies
-# and the batching and scheduling policy; ``request_arrived`` has ``priority``; ``schedule`` has which
-# requests prefill (a ``mixed`` step has both); ``request_finished`` has ``host_cached_tokens``
-# (``cached_tokens`` counts them too, as vLLM's); ``step`` has ``loading``, ``free_cpu_blocks`` and the
-# waiting requests by reason; ``snapshot`` has the state ``loading``, the waiting reasons and the host
-# blocks.
-SCHEMA_VERSION = 4
+# Version 4, the host KV tier: block events have a ``medium`` (``GPU``/``CPU``); ``host_hit``,
+# ``swap_in`` and ``kv_transfer`` are new; ``preempt`` has its ``mode`` and the host blocks a swap went
+# to; ``engine_started`` has the tier's size and policies; ``request_finished`` has
+# ``host_cached_tokens`` (``cached_tokens`` counts them too, as vLLM's); ``step`` has ``loading`` and
+# ``free_cpu_blocks``; ``snapshot`` has the state ``loading`` and the host blocks.
+# Version 5, the scheduling choices: ``engine_started`` has the batching rule and the scheduling
+# policy; ``request_arrived`` has ``priority``; ``schedule`` has which requests prefill (a ``mixed``
+# step has both); ``waiting`` is new; ``step`` has the waiting requests by reason; ``snapshot`` has
+# their reasons.
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,9 @@ A few short requests start decoding; then one long prompt arrives. With a per-st
 of at most the budget, one chunk per step, and the request joins ``running`` only after its last
 chunk. Prefill has strict priority over decode and a step is all prefill or all decode, so the
 requests already running get no token until the last chunk is done: chunking here bounds the size
-of a step, not the stall (mixing decodes into prefill steps, as Sarathi-Serve and vLLM do, is what
-would remove it). One engine per budget, from small to unlimited.
+of a step, not the stall under the default ``prefill-first`` batching (``--batching mixed`` puts decodes
+into prefill steps, as Sarathi-Serve and vLLM do; ``experiments/scheduling.py`` compares the two).
+One engine per budget, from small to unlimited.
 """
 
 from __future__ import annotations

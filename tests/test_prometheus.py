@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import REJECTION_CODES
+from engine.events import REJECTION_CODES, WAITING_REASONS
 from telemetry.grafana import dashboard_exprs, metric_names
 from telemetry.prometheus import (
     CACHE_CONFIG_LABELS,
@@ -382,6 +382,13 @@ def test_gauges_equal_the_last_step_event_and_the_scheduler(exporter, overlap):
     assert value(fam, "vllm:num_requests_running") == last.running
     assert value(fam, "vllm:num_requests_waiting") == last.waiting
     assert value(fam, "vllm:kv_cache_usage_perc") == pytest.approx(1 - last.free_blocks / sched.block_manager.num_blocks)
+    # Why they wait: vLLM's two reasons, and glassbox's finer ones, as the scheduler counts them.
+    by_reason = dict(zip(WAITING_REASONS, sched.waiting_by_reason()))
+    assert sum(by_reason.values()) == last.waiting and by_reason == dict(zip(WAITING_REASONS, last.waiting_by_reason))
+    for reason, count in by_reason.items():
+        assert value(fam, "glassbox:num_requests_waiting_by_reason", reason=reason) == count
+    assert value(fam, "vllm:num_requests_waiting_by_reason", reason="capacity") == last.waiting - by_reason["host_load"]
+    assert value(fam, "vllm:num_requests_waiting_by_reason", reason="deferred") == by_reason["host_load"]
 
 
 def test_rejections_are_counted_by_code_and_a_full_queue_as_an_admission_rejection(exporter):

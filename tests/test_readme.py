@@ -1,4 +1,4 @@
-"""The README's Python snippet, run as a newcomer runs it, prints what the README says it prints."""
+"""The README's Python snippets, run as a newcomer runs it, prints what the README says it prints."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README_CHECKPOINT = "/tmp/tiny"  # where the README's `python -m models.checkpoint` line puts it
@@ -54,8 +56,9 @@ def test_the_readme_serving_snippet_talks_to_the_server(tiny_checkpoint, tmp_pat
     assert "<|filler_" in result.stdout  # both answers printed: random weights speak in filler tokens
 
 
-def test_the_readme_host_tier_snippet_prints_what_the_readme_says(tiny_checkpoint, tmp_path):
-    section = (REPO / "README.md").read_text().split("## A second KV tier in host memory", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("heading", ["A second KV tier in host memory", "Scheduling: batching rules and queue policies"])
+def test_a_readme_section_snippet_prints_what_the_readme_says(heading, tiny_checkpoint, tmp_path):
+    section = (REPO / "README.md").read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
     snippet, = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     promised, = re.findall(r"It prints `([^`]+)`", section)
     result = subprocess.run([sys.executable, "-c", snippet.replace(README_CHECKPOINT, str(tiny_checkpoint))],
