@@ -66,6 +66,8 @@ SETTINGS = {
     # Chunked prefill (24-token budget) and, on the repeat, prefix-cache hits.
     "chunked_prefix_cache": {"kvcache_block_size": 16, "max_num_batched_tokens": 24},
     "preemption": {"kvcache_block_size": 16, "num_kvcache_blocks": 9},
+    # vLLM V1's mixed steps: decode rows (workers know only each request's last token) beside chunks.
+    "mixed_batching": {"kvcache_block_size": 16, "max_num_batched_tokens": 24, "batching": "mixed"},
 }
 
 
@@ -95,6 +97,8 @@ def test_two_ranks_give_the_single_rank_greedy_tokens(name, tiny_checkpoint, pro
     kinds = {e.kind for e in events}
     if name == "preemption":
         assert "preempt" in kinds
+    elif name == "mixed_batching":
+        assert any(e.kind == "step" and e.phase == "mixed" for e in events)
     else:
         assert any(any(e.chunked) for e in events if e.kind == "schedule")
         assert sum(e.hit_tokens for e in events if e.kind == "prefix_hit") > 0
