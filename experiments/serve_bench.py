@@ -13,7 +13,8 @@ difference.
 Sweep (``--sweep RATES``): guidellm (pinned in the dev extra) sends Poisson arrivals of synthetic
 chat requests at each rate, against glassbox and, with ``--peer hf``, against ``transformers
 serve --continuous-batching`` on the same weights and GPU: throughput, TTFT and ITL p50/p99 per
-rate, and the highest rate each sustains within a TTFT p99 of 1 s and an ITL p99 of 100 ms.
+rate, and the highest rate each sustains within a TTFT p99 of 1 s and an ITL p99 of 100 ms (for
+glassbox the ITL of every token, from the engine's events; guidellm's is a per-request mean).
 ``--sweep-batching`` sweeps glassbox once per batching rule, on the same engine (the rule changes
 between sweeps, while it is idle).
 """
@@ -216,7 +217,31 @@ def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, reque
             "itl_p50_s": pct("inter_token_latency_ms", "p50"), "itl_p99_s": pct("inter_token_latency_ms", "p99")}
 
 
-def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:
+class TokenGaps:
+    """Every inter-token latency the engine produced (its ``tokens`` events), per token, not averaged
+    per request as guidellm's ITL is: a stall shows in its p99 undiluted."""
+
+    def __init__(self, llm) -> None:
+        self._last: dict[int, float] = {}
+        self._gaps: list[float] = []
+        self.unsubscribe = llm.events.subscribe(self._on_batch, batched=True)
+
+    def _on_batch(self, batch) -> None:  # the engine thread
+        for e in batch:
+            if e.kind == "tokens":
+                for request_id in e.request_ids:
+                    if request_id in self._last:
+                        self._gaps.append(e.t - self._last[request_id])
+                    self._last[request_id] = e.t
+
+    def take(self) -> list[float]:
+        """The gaps since the last call (between two sweep points the engine is idle)."""
+        gaps, self._gaps, self._last = self._gaps, [], {}
+        return gaps
+
+
+def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: argparse.Namespace,
+          token_gaps: TokenGaps | None = None) -> list[dict]:
     import httpx
 
     # A few requests first, so that no server's first-use costs (compilation, graph capture) land in a point.
@@ -225,11 +250,16 @@ def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: a
             "model": model, "messages": [{"role": "user", "content": "warm up " * 64}], "max_tokens": 32})
     points = []
     work = Path(tempfile.mkdtemp(prefix="serve-sweep-"))
+    if token_gaps is not None:
+        token_gaps.take()  # not the warm-up's
     for rate in rates:
         progress(f"  rate {rate}/s")
         requests = max(30, round(rate * args.sweep_seconds))
         point = guidellm_point(url, model, tokenizer_dir, rate, requests, args.sweep_prompt_tokens,
                                args.sweep_output_tokens, work / f"rate-{rate}.json")
+        if token_gaps is not None:
+            gaps = sorted(token_gaps.take())
+            point["token_itl_p99_s"] = gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))] if gaps else None
         points.append(point)
         print(json.dumps(point), flush=True)
         if point["ttft_p99_s"] > 4 * TTFT_P99_TARGET_S:
@@ -238,9 +268,10 @@ def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: a
 
 
 def sustained(points: list[dict]) -> float:
-    """The highest rate whose TTFT p99 and ITL p99 stay within the targets (0 if none does)."""
+    """The highest rate whose TTFT p99 and ITL p99 stay within the targets (0 if none does). The ITL
+    is per token where the engine's events give it (glassbox), else guidellm's per-request mean."""
     return max((p["rate"] for p in points if p["ttft_p99_s"] <= TTFT_P99_TARGET_S
-                and p["itl_p99_s"] <= ITL_P99_TARGET_S and not p["errored"]), default=0.0)
+                and p.get("token_itl_p99_s", p["itl_p99_s"]) <= ITL_P99_TARGET_S and not p["errored"]), default=0.0)
 
 
 def run_hf_server(directory: Path, port: int) -> subprocess.Popen:
@@ -378,9 +409,11 @@ def sweep_glassbox(llm, exporter, directory: Path, rates: list[float], args: arg
     thread.start()
     server.started.wait(60)
     progress("sweep: glassbox")
+    token_gaps = TokenGaps(llm)
     try:
-        return sweep(server.url, "bench", directory, rates, args)
+        return sweep(server.url, "bench", directory, rates, args, token_gaps)
     finally:
+        token_gaps.unsubscribe()
         server.stop()
         thread.join(60)
 
