@@ -392,6 +392,29 @@ def event_from_dict(data: dict[str, Any]) -> Event:
     return cls(**{name: tuple(v) if isinstance(v := data[name], list) else v for name in names})
 
 
+# The wire form (an engine in another process, engine/core.py): each event a list, its kind's index
+# in EVENT_TYPES then its fields in order; msgpack carries it, lists come back as tuples.
+_KINDS: list[type[Event]] = list(EVENT_TYPES.values())
+_KIND_INDEX = {cls: i for i, cls in enumerate(_KINDS)}
+
+
+def pack_events(events: list[Event]) -> list[list[Any]]:
+    """``events`` in their wire form."""
+    packed = []
+    for event in events:
+        cls = type(event)
+        names = _field_names.get(cls)
+        if names is None:
+            names = _field_names[cls] = tuple(f.name for f in fields(cls))
+        packed.append([_KIND_INDEX[cls], *[getattr(event, name) for name in names]])
+    return packed
+
+
+def unpack_events(packed: list[list[Any]]) -> list[Event]:
+    """The events ``pack_events`` packed (by the same build of glassbox)."""
+    return [_KINDS[row[0]](*[tuple(v) if type(v) is list else v for v in row[1:]]) for row in packed]
+
+
 Subscriber = Callable[[Event], None]
 BatchSubscriber = Callable[[list[Event]], None]
 
@@ -426,11 +449,18 @@ class EventBus:
         self._pending: list[Event] = []
         self._held = False
 
-    def subscribe(self, callback: Subscriber | BatchSubscriber, *, batched: bool = False) -> Callable[[], None]:
+    @property
+    def announcements(self) -> list[Event]:
+        """The start-up facts announced so far, which every new subscriber is first given."""
+        return list(self._announcements)
+
+    def subscribe(self, callback: Subscriber | BatchSubscriber, *, batched: bool = False,
+                  replay: bool = True) -> Callable[[], None]:
         """Deliver every future event to ``callback`` (as lists at publish points if ``batched``),
         after replaying the start-up announcements (``engine_started``, ``cudagraph_capture``)
-        that were made before it subscribed."""
-        announcements = list(self._announcements)
+        that were made before it subscribed (unless ``replay`` is False: a relay that forwarded
+        them itself)."""
+        announcements = list(self._announcements) if replay else []
         if batched:
             if not self._batch_subscribers:
                 self._pending = []  # left by batch subscribers that have all gone
@@ -463,6 +493,20 @@ class EventBus:
         event = cls(t=time.perf_counter(), step=self.step, **fields_)
         self._announcements.append(event)
         self._send(event)
+
+    def relay(self, events: list[Event], *, announced: bool = False) -> None:
+        """Deliver events emitted on another bus (an engine in another process), in their order and
+        as one batch, as if emitted here; ``announced`` ones are also kept for later subscribers."""
+        if announced:
+            self._announcements.extend(events)
+        subscribers = self._subscribers
+        for event in events:
+            for callback in subscribers:
+                self._deliver(callback, event)
+        if self._batch_subscribers:
+            self._pending.extend(events)
+            if not self._held:
+                self.publish()
 
     @contextmanager
     def held(self) -> Iterator[None]:

@@ -139,7 +139,7 @@ def check_args(args: argparse.Namespace) -> None:
     is built from the options, the checkpoint's config and weight files are found, numbers that must
     be positive are. Cheap: nothing is made, loaded or allocated."""
     try:
-        Config(model=args.model or "", **_engine_kwargs(args))
+        Config(model=args.model or "", **engine_kwargs(args))
     except ConfigError as exc:  # "field=value is invalid: ...", said with the option's name instead
         field, _, rest = str(exc).partition("=")
         raise OptionError(f"{_RENAMED.get(field, '--' + field.replace('_', '-'))} {rest}") from exc
@@ -174,7 +174,7 @@ def model_name(args: argparse.Namespace) -> str:
     return Path(args.model).name if args.model else args.preset
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options as ``Config`` fields: what ``check_args`` validates is what ``build_llm`` builds."""
     return dict(device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
                 num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
@@ -192,7 +192,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def build_llm(args: argparse.Namespace):
     from engine.llm_engine import LLM
 
-    return LLM(str(model_dir(args)), **_engine_kwargs(args))
+    return LLM(str(model_dir(args)), **engine_kwargs(args))
 
 
 def build_workload(args: argparse.Namespace, vocab_size: int):

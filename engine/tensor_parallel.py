@@ -433,7 +433,7 @@ def _worker_main(rank: int, world_size: int, port: int, config: Config, model_co
     """A worker's life: join the group, build this rank's runner, then repeat rank 0's calls."""
     # Ctrl-C in a terminal reaches every process of the foreground group; rank 0 decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, name="glassbox-tp-parent-watch", daemon=True).start()
+    threading.Thread(target=exit_with_parent, name="glassbox-tp-parent-watch", daemon=True).start()
     try:
         reports.send(_READY)
         device = _rank_device(config, rank)
@@ -464,8 +464,12 @@ def _worker_main(rank: int, world_size: int, port: int, config: Config, model_co
     dist.destroy_process_group()
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent(cleanup: Callable[[], None] | None = None) -> None:
+    """A spawned process's watch (run it on a daemon thread): exit at once when the parent is gone,
+    after ``cleanup`` (what the parent would have released)."""
     parent = parent_process()
     if parent is not None:
         wait([parent.sentinel])
+        if cleanup is not None:
+            cleanup()
         os._exit(1)

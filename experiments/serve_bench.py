@@ -6,9 +6,10 @@
 Throughput: nano-vllm's bench workload (256 requests, prompts U[100,1024] of ids, outputs
 U[100,1024], temperature 0.6, ignore_eos) sent at once as streaming completions by client
 processes of their own, timed from the first send to the last ``[DONE]``, against ``LLM.generate``
-of the same requests on the same engine in the same run (prefix cache reset before each run, the
-Prometheus exporter attached to both, runs alternating). The HTTP layer and the bridge are the
-difference.
+of the same requests with the same engine settings in the same run (the Prometheus exporter
+attached to both, runs alternating). Each arm builds its engine afresh and warms it with one short
+request: the offline one in a process of its own, the server's in the engine process it always
+has. The HTTP layer, the server's process and the link between the two are the difference.
 
 Sweep (``--sweep RATES``): guidellm (pinned in the dev extra) sends Poisson arrivals of synthetic
 chat requests at each rate, against glassbox and, with ``--peer hf``, against ``transformers
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -33,13 +34,23 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.options import OptionError, add_engine_args, build_llm, model_dir, parse_checked, reported_errors  # noqa: E402
+from engine.options import (  # noqa: E402
+    OptionError,
+    add_engine_args,
+    build_llm,
+    engine_kwargs,
+    model_dir,
+    parse_checked,
+    reported_errors,
+)
 from engine.workloads import bench as bench_workload  # noqa: E402
 
 TTFT_P99_TARGET_S = 1.0
@@ -53,31 +64,35 @@ def progress(message: str) -> None:
 # --- the client (its own process) -------------------------------------------------------------------
 
 async def _client(url: str, requests: list[dict]) -> dict:
-    import httpx
+    import aiohttp  # what vLLM's bench serve sends with: far lighter per chunk than httpx
 
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as http:
-        # Connections are opened before the clock starts, so the run times serving, not handshakes.
-        await asyncio.gather(*(http.get("/health") for _ in range(min(len(requests), 64))))
+    bodies = [json.dumps(body).encode() for body in requests]  # encoded before the clock starts
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        # One connection per request, opened before the clock starts: the run times serving, not handshakes.
+        await asyncio.gather(*(http.get("/health") for _ in bodies))
         sys.stdin.readline()  # the parent says go
 
-        async def one(body: dict) -> dict:
+        async def one(body: bytes) -> dict:
             sent = time.monotonic()
-            first = usage = None
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    return {"error": f"{response.status_code}: {(await response.aread())[:200]!r}"}
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
+            first = usage = response_id = None
+            async with http.post("/v1/completions", data=body, headers={"Content-Type": "application/json"}) as response:
+                if response.status != 200:
+                    return {"error": f"{response.status}: {(await response.read())[:200]!r}"}
+                # Only the first chunk and the usage chunk are parsed: the client must stay light
+                # beside a server streaming 134k chunks.
+                async for line in response.content:
+                    if not line.startswith(b"data: {"):
                         continue
-                    data = json.loads(line[6:])
-                    if data["choices"] and first is None:
+                    if first is None:
                         first = time.monotonic()
-                    usage = data.get("usage") or usage
-            return {"sent": sent, "first": first, "done": time.monotonic(),
+                        response_id = json.loads(line[6:])["id"]
+                    elif b'"choices":[]' in line:
+                        usage = json.loads(line[6:])["usage"]
+            return {"id": response_id, "sent": sent, "first": first, "done": time.monotonic(),
                     "completion_tokens": usage["completion_tokens"] if usage else None}
 
-        results = await asyncio.gather(*(one(body) for body in requests))
+        results = await asyncio.gather(*(one(body) for body in bodies))
     return {"results": results}
 
 
@@ -94,20 +109,48 @@ def client_main(url: str, requests_file: str, out_file: str) -> None:
 
 # --- the runs ---------------------------------------------------------------------------------------
 
-def offline_run(llm, prompts: list[list[int]], params) -> dict:
-    llm.reset_prefix_cache()
-    torch.cuda.synchronize()
-    steps = []
-    unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-    cpu = time.thread_time()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t
-    cpu = time.thread_time() - cpu
-    unsubscribe()
-    tokens = sum(len(o["token_ids"]) for o in outs)
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "engine_thread_cpu_s": cpu,
-            **step_profile(steps)}
+def offline_run(args: argparse.Namespace, prompts: list[list[int]], params) -> dict:
+    """``generate()`` of the requests in a process of its own, on an engine built for it."""
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=_offline_main, args=(args, prompts, params, writer), name="bench-offline")
+    process.start()
+    writer.close()
+    try:
+        result = reader.recv()
+    except EOFError:
+        raise RuntimeError(f"the offline run's process died (exit code {process.join(10) or process.exitcode})") from None
+    process.join(60)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _offline_main(args: argparse.Namespace, prompts: list[list[int]], params, results) -> None:
+    from telemetry.prometheus import PrometheusExporter
+
+    try:
+        llm = build_llm(args)
+        exporter = PrometheusExporter("bench")
+        exporter.attach(llm.events)
+        llm.generate(["Benchmark: "], use_tqdm=False)  # first-use costs, as the online arm's warm-up request
+        torch.cuda.synchronize()
+        steps = []
+        unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        cpu = time.process_time()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        cpu = time.process_time() - cpu
+        unsubscribe()
+        exporter.close()
+        llm.close()
+        tokens = sum(len(o["token_ids"]) for o in outs)
+        results.send({"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                      "engine_cpu_s": cpu, "device": torch.cuda.get_device_name(), **step_profile(steps)})
+    except BaseException as exc:
+        results.send(RuntimeError(f"the offline run failed: {type(exc).__name__}: {exc}"))
+        raise
 
 
 _PARTS = ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")
@@ -137,39 +180,109 @@ def thread_cpu_seconds(name: str) -> float:
     return 0.0
 
 
-def online_run(llm, directory: Path, exporter, prompts: list[list[int]], params, client_procs: int) -> dict:
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time so far of process ``pid`` (user + system, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def running_server(args: argparse.Namespace, directory: Path, **engine_overrides) -> Iterator:
+    """``python -m serve``'s server on a thread of this process (its engine in its own process, as
+    always), with a Prometheus exporter attached, warmed by a few short requests."""
+    import httpx
+
+    from serve.engine_client import AsyncEngine
     from serve.server import Server
     from telemetry.metrics_server import listen
+    from telemetry.prometheus import PrometheusExporter
 
-    llm.reset_prefix_cache()
-    server = Server.for_engine(llm, directory, "bench", exporter.registry, listen("127.0.0.1", 0, backlog=4096))
+    engine = AsyncEngine(str(directory), {**engine_kwargs(args), **engine_overrides})
+    exporter = PrometheusExporter("bench")
+    exporter.attach(engine.events)
+    server = Server(engine, directory, "bench", exporter.registry, listen("127.0.0.1", 0, backlog=4096))
     thread = threading.Thread(target=server.run, name="bench-server", daemon=True)
     thread.start()
-    server.started.wait(60)
-    steps = []
-    unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-    bodies = [{"model": "bench", "prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-              for p, sp in zip(prompts, params)]
-    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    clients = []
-    for i in range(client_procs):
-        share = work / f"requests-{i}.json"
-        share.write_text(json.dumps(bodies[i::client_procs]))
-        clients.append(subprocess.Popen([sys.executable, __file__, "--client", server.url, str(share),
-                                         str(work / f"out-{i}.json")], stdin=subprocess.PIPE, text=True))
-    time.sleep(3.0)  # the clients connect
-    cpu_before = {name: thread_cpu_seconds(name) for name in ("bench-server", "glassbox-engine")}
-    for client in clients:
-        client.stdin.write("go\n")
-        client.stdin.flush()
-    for client in clients:
-        client.wait(900)
-    cpu = {name: thread_cpu_seconds(name) - before for name, before in cpu_before.items()}
-    unsubscribe()
-    server.stop()
-    thread.join(60)
-    server.sock.close()
+    try:
+        server.started.wait()
+        if engine.dead:
+            raise RuntimeError(f"the server's engine did not start: {engine.error}")
+        for _ in range(3):  # first-use costs, as the offline arm's warm-up
+            httpx.post(server.url + "/v1/completions", timeout=600, json={"prompt": "Benchmark: ", "max_tokens": 16})
+        yield server
+    finally:
+        server.stop()
+        thread.join(120)
+        server.sock.close()
+        exporter.close()
+
+
+class RequestTimes:
+    """When the engine saw each request arrive, its first token and its end, by the client's name
+    for it (the response id): set beside the client's own times, they say where a request's time
+    went (both clocks are CLOCK_MONOTONIC on Linux)."""
+
+    def __init__(self, events) -> None:
+        self.names: dict[int, str] = {}
+        self.arrived: dict[str, float] = {}
+        self.first_token: dict[str, float] = {}
+        self.finished: dict[str, float] = {}
+        self.unsubscribe = events.subscribe(self._on_event)
+
+    def _on_event(self, e) -> None:  # the server's event loop
+        if e.kind == "request_arrived" and e.client_id is not None:
+            self.names[e.request_id] = e.client_id
+            self.arrived[e.client_id] = e.t
+        elif e.kind == "first_token" and e.request_id in self.names:
+            self.first_token[self.names[e.request_id]] = e.t
+        elif e.kind == "request_finished" and e.request_id in self.names:
+            self.finished[self.names.pop(e.request_id)] = e.t
+
+    def timeline(self, results: list[dict]) -> dict:
+        """From the first send: the spread of the sends and of the engine's arrivals, when the engine
+        finished the last request and when the client read its end; p50 and max of each request's
+        delivery lag (the engine's first token or end to the client reading it)."""
+        start = min(r["sent"] for r in results)
+
+        def lags(engine_times: dict[str, float], client_key: str) -> tuple[float, float]:
+            values = sorted(r[client_key] - engine_times[r["id"]] for r in results)
+            return round(values[len(values) // 2], 4), round(values[-1], 4)
+
+        return {"last_sent_s": round(max(r["sent"] for r in results) - start, 4),
+                "last_arrived_s": round(max(self.arrived[r["id"]] for r in results) - start, 4),
+                "last_finished_s": round(max(self.finished[r["id"]] for r in results) - start, 4),
+                "last_done_s": round(max(r["done"] for r in results) - start, 4),
+                "first_token_lag_p50_max_s": lags(self.first_token, "first"),
+                "end_lag_p50_max_s": lags(self.finished, "done")}
+
+
+def online_run(args: argparse.Namespace, directory: Path, prompts: list[list[int]], params, client_procs: int) -> dict:
+    with running_server(args, directory) as server:
+        steps = []
+        unsubscribe = server.engine.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        times = RequestTimes(server.engine.events)
+        bodies = [{"model": "bench", "prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
+                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                  for p, sp in zip(prompts, params)]
+        work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+        clients = []
+        for i in range(client_procs):
+            share = work / f"requests-{i}.json"
+            share.write_text(json.dumps(bodies[i::client_procs]))
+            clients.append(subprocess.Popen([sys.executable, __file__, "--client", server.url, str(share),
+                                             str(work / f"out-{i}.json")], stdin=subprocess.PIPE, text=True))
+        time.sleep(3.0)  # the clients connect
+        engine_pid = server.engine.process.pid
+        server_before, engine_before = thread_cpu_seconds("bench-server"), process_cpu_seconds(engine_pid)
+        for client in clients:
+            client.stdin.write("go\n")
+            client.stdin.flush()
+        for client in clients:
+            client.wait(900)
+        server_cpu = thread_cpu_seconds("bench-server") - server_before
+        engine_cpu = process_cpu_seconds(engine_pid) - engine_before
+        unsubscribe()
+        times.unsubscribe()
     results = [r for i in range(client_procs) for r in json.loads((work / f"out-{i}.json").read_text())["results"]]
     shutil.rmtree(work, ignore_errors=True)
     errors = [r["error"] for r in results if "error" in r]
@@ -183,7 +296,7 @@ def online_run(llm, directory: Path, exporter, prompts: list[list[int]], params,
     ttfts = sorted(r["first"] - r["sent"] for r in results)
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
             "ttft_p50_s": ttfts[len(ttfts) // 2], "client_procs": client_procs,
-            "server_thread_cpu_s": cpu["bench-server"], "engine_thread_cpu_s": cpu["glassbox-engine"],
+            "server_thread_cpu_s": server_cpu, "engine_cpu_s": engine_cpu, "timeline": times.timeline(results),
             **step_profile(steps)}
 
 
@@ -221,12 +334,12 @@ class TokenGaps:
     """Every inter-token latency the engine produced (its ``tokens`` events), per token, not averaged
     per request as guidellm's ITL is: a stall shows in its p99 undiluted."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, events) -> None:
         self._last: dict[int, float] = {}
         self._gaps: list[float] = []
-        self.unsubscribe = llm.events.subscribe(self._on_batch, batched=True)
+        self.unsubscribe = events.subscribe(self._on_batch, batched=True)
 
-    def _on_batch(self, batch) -> None:  # the engine thread
+    def _on_batch(self, batch) -> None:  # the server's event loop
         for e in batch:
             if e.kind == "tokens":
                 for request_id in e.request_ids:
@@ -321,8 +434,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-batching", metavar="RULES", type=_batching_rules,
                         help="sweep glassbox under each of these batching rules (e.g. prefill-first,mixed)")
     parser.add_argument("--peer", choices=("hf",), help="also sweep transformers serve --continuous-batching")
-    parser.add_argument("--switch-interval", type=float, metavar="SECONDS",
-                        help="the interpreter's GIL switch interval (default: python -m serve's)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     with reported_errors(args):
@@ -332,34 +443,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from telemetry.prometheus import PrometheusExporter
-
-    from serve.__main__ import SWITCH_INTERVAL_S
-
-    sys.setswitchinterval(args.switch_interval or SWITCH_INTERVAL_S)
     requests = list(bench_workload(num_requests=args.num_requests))
     prompts, params = [r.prompt_token_ids for r in requests], [r.sampling_params for r in requests]
     directory = model_dir(args)
-    progress("loading the engine")
-    llm = build_llm(args)
-    exporter = PrometheusExporter("bench")
-    exporter.attach(llm.events)
-    llm.generate(["Benchmark: "], use_tqdm=False)
-    results: dict = {"device": torch.cuda.get_device_name(), "model": directory.name, "offline": [], "online": []}
+    # This process never touches CUDA: each arm's engine has the GPU to itself.
+    results: dict = {"model": directory.name, "offline": [], "online": []}
     for i in range(args.runs):
         progress(f"run {i + 1} of {args.runs}: generate()")
-        results["offline"].append(offline_run(llm, prompts, params))
+        results["offline"].append(offline_run(args, prompts, params))
+        results["device"] = results["offline"][-1]["device"]
         progress(f"run {i + 1} of {args.runs}: over HTTP")
-        results["online"].append(online_run(llm, directory, exporter, prompts, params, args.client_procs))
+        results["online"].append(online_run(args, directory, prompts, params, args.client_procs))
     if args.runs:
         report_throughput(results)
     if args.sweep:
         rates = [float(r) for r in args.sweep.split(",")]
-        rules = args.sweep_batching.split(",") if args.sweep_batching else [llm.config.batching]
+        rules = args.sweep_batching.split(",") if args.sweep_batching else [args.batching]
         for rule in rules:
-            llm.scheduler.mixed = rule == "mixed"
-            results[f"sweep_glassbox_{rule}"] = sweep_glassbox(llm, exporter, directory, rates, args)
-        llm.scheduler.mixed = llm.config.batching == "mixed"
+            results[f"sweep_glassbox_{rule}"] = sweep_glassbox(args, directory, rates, rule)
         if len(rules) > 1:
             rates_by_rule = {rule: sustained(results[f"sweep_glassbox_{rule}"]) for rule in rules}
             results["sustained_rate_by_batching"] = rates_by_rule
@@ -367,17 +468,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{ITL_P99_TARGET_S * 1e3:g} ms: " + ", ".join(f"{r} {v:g}/s" for r, v in rates_by_rule.items()))
         results["sweep_glassbox"] = results[f"sweep_glassbox_{rules[0]}"]
         if args.peer == "hf":
-            llm.close()
-            del llm  # the peer needs the GPU memory the KV pool held
-            gc.collect()
-            torch.cuda.empty_cache()
             results["sweep_hf"] = sweep_hf(directory, rates, args)
             ours, theirs = sustained(results["sweep_glassbox"]), sustained(results["sweep_hf"])
             results["sustained_rate"] = {"glassbox": ours, "transformers": theirs}
             print(f"highest rate within TTFT p99 <= {TTFT_P99_TARGET_S:g} s and ITL p99 <= "
                   f"{ITL_P99_TARGET_S * 1e3:g} ms: glassbox {ours:g}/s, "
                   f"transformers {theirs:g}/s" + (f" ({ours / theirs:.1f}x)" if theirs else ""))
-    exporter.close()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
@@ -390,8 +486,10 @@ def report_throughput(results: dict) -> None:
     for name in ("offline", "online"):
         for r in results[name]:
             print(f"  {name}: {r['tokens_per_s']:,.0f} tok/s, {r['steps']} steps ({r['prefill_steps']} prefill), "
-                  f"{r['step_seconds']:.2f} s in steps, engine thread {r['engine_thread_cpu_s']:.2f} s CPU"
+                  f"{r['step_seconds']:.2f} s in steps, engine {r['engine_cpu_s']:.2f} s CPU"
                   + (f", server thread {r['server_thread_cpu_s']:.2f} s CPU" if name == "online" else ""))
+            if name == "online":
+                print("    timeline: " + ", ".join(f"{k} {v}" for k, v in r["timeline"].items()))
             for batch, row in r["decode_by_batch"].items():
                 print(f"    decode {batch:>7}: " + " ".join(f"{k} {v}" for k, v in row.items()))
     print(f"{results['device']}, {results['model']}: generate() "
@@ -400,22 +498,14 @@ def report_throughput(results: dict) -> None:
           + f" tok/s; HTTP / offline = {online / offline:.1%} (medians)")
 
 
-def sweep_glassbox(llm, exporter, directory: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:
-    from serve.server import Server
-    from telemetry.metrics_server import listen
-
-    server = Server.for_engine(llm, directory, "bench", exporter.registry, listen("127.0.0.1", 0, backlog=4096))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    server.started.wait(60)
-    progress("sweep: glassbox")
-    token_gaps = TokenGaps(llm)
-    try:
-        return sweep(server.url, "bench", directory, rates, args, token_gaps)
-    finally:
-        token_gaps.unsubscribe()
-        server.stop()
-        thread.join(60)
+def sweep_glassbox(args: argparse.Namespace, directory: Path, rates: list[float], batching: str) -> list[dict]:
+    progress(f"sweep: glassbox, {batching} batching")
+    with running_server(args, directory, batching=batching) as server:
+        token_gaps = TokenGaps(server.engine.events)
+        try:
+            return sweep(server.url, "bench", directory, rates, args, token_gaps)
+        finally:
+            token_gaps.unsubscribe()
 
 
 def sweep_hf(directory: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:

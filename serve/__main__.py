@@ -25,7 +25,7 @@ import torch
 from engine.options import (
     OptionError,
     add_engine_args,
-    build_llm,
+    engine_kwargs,
     model_dir,
     model_name,
     option_error,
@@ -34,6 +34,7 @@ from engine.options import (
 )
 from serve.app import DEFAULT_MAX_REQUEST_BYTES
 from serve.chat_template import read_chat_template
+from serve.engine_client import AsyncEngine
 from serve.server import Server
 from telemetry.event_queue import Consumer
 from telemetry.metrics_server import listen
@@ -43,9 +44,6 @@ from telemetry.summary import RunSummary
 
 logger = logging.getLogger("glassbox.serve")
 
-# The engine's thread must get the GIL back promptly when the GPU is done with a step, even while
-# the event loop is busy writing streams: the interpreter's default lets a thread keep it 5 ms.
-SWITCH_INTERVAL_S = 0.001
 # Requests the server takes before the engine refuses more (503 with Retry-After).
 SERVE_DEFAULTS = dict(max_waiting_requests=256)
 
@@ -105,29 +103,26 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace, sock: socket.socket, name: str, api_key: str | None, template: str | None,
            consumers: list[Consumer], summary: RunSummary) -> BaseException | None:
     directory = model_dir(args)
+    torch_threads = None
     if torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
-        # The event loop needs a core of its own beside the engine's matrix products.
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # The server's event loop needs a core of its own beside the engine's matrix products.
+        torch_threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1))
     # SIGTERM unwinds like Ctrl-C (uvicorn raises the signal again after its shutdown, and the
     # default action would kill the process before the recording is flushed and the summary printed).
     signal.signal(signal.SIGTERM, _interrupt)
-    llm = build_llm(args)
+    engine = AsyncEngine(str(directory), engine_kwargs(args), torch_threads=torch_threads)
+    for consumer in consumers:
+        consumer.attach(engine.events)
+    exporter = next(c for c in consumers if isinstance(c, PrometheusExporter))
+    server = Server(engine, directory, name, exporter.registry, sock, api_key=api_key, chat_template=template,
+                    max_request_bytes=args.max_request_bytes, access_log=args.access_log,
+                    on_stopping=summary.mark_stopping)
+    logger.info("starting the engine for %s", name)
     try:
-        for consumer in consumers:
-            consumer.attach(llm.events)
-        exporter = next(c for c in consumers if isinstance(c, PrometheusExporter))
-        server = Server.for_engine(llm, directory, name, exporter.registry, sock, api_key=api_key,
-                                   chat_template=template, max_request_bytes=args.max_request_bytes,
-                                   access_log=args.access_log, on_stopping=summary.mark_stopping)
-        logger.info("serving %s at %s (Ctrl-C stops)", name, server.url)
-        try:
-            server.run()
-        except KeyboardInterrupt:
-            pass  # uvicorn raises the signal that stopped it again once it has shut down
-        return server.state.engine.live.error
-    finally:
-        llm.close()
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the signal that stopped it again once it has shut down
+    return engine.error
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -102,15 +102,15 @@ async def read_body(request: Request, model: type[_M], limit: int) -> _M:
             raise APIError(413, f"the request body is over {limit:,} bytes; this server takes at most {limit:,} "
                                 "(--max-request-bytes)")
         chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
+    body = b"".join(chunks)
+    try:  # parsed and validated in one pass of pydantic's own JSON parser
+        return model.model_validate_json(body)
     except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {first['msg']}") from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise APIError(400, f"the request body must be a JSON object, got {type(json.loads(body)).__name__}") from None
         raise validation_error(exc) from None
 
 

@@ -2,12 +2,12 @@
 
 A client that joins a running engine first gets the recording header (``event: header``), then the
 start-up announcements and a ``snapshot`` of every request and KV block as they stand, then every
-event after it, each as its recorded JSON line (``seq`` counting from 0). The join happens on the
-engine's thread between two steps, with everything emitted before it already published, so the
-events that follow apply exactly on top of the snapshot. Each client has a bounded queue filled on
-the engine's thread; when it is full, a step's events are dropped and the client gets an
-``event: gap`` message with the count (a consumer rebuilding state should then join again).
-Nothing sent over this endpoint can pause, step or change the engine.
+event after it, each as its recorded JSON line (``seq`` counting from 0). The engine takes the
+snapshot between two steps, after everything before it went out, and the client subscribes where
+the snapshot arrives in the engine's message stream, so the events that follow apply exactly on
+top of it. Each client has a bounded queue; when it is full, a step's events are dropped and the
+client gets an ``event: gap`` message with the count (a consumer rebuilding state should then join
+again). Nothing sent over this endpoint can pause, step or change the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from engine.events import EngineStarted, Event
 from serve.engine_client import AsyncEngine
@@ -26,19 +26,17 @@ DEFAULT_MAXSIZE = 1 << 16  # events a client may fall behind by before it loses 
 
 
 class EventStream:
-    """One client's bounded queue of events (filled on the engine's thread, read on the loop)."""
+    """One client's bounded queue of events, filled as the engine's messages are read (on the loop)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int = DEFAULT_MAXSIZE) -> None:
+    def __init__(self, maxsize: int = DEFAULT_MAXSIZE) -> None:
         self.maxsize = maxsize
         self.dropped = 0
-        self._loop = loop
         self._items: deque[Event | int] = deque()  # an int is a gap: that many events dropped
         self._size = 0
         self._ready = asyncio.Event()
-        self._wake_pending = False
 
     def put_batch(self, events: list[Event]) -> None:
-        """The bus callback (engine thread): never blocks; a batch that does not fit is dropped whole."""
+        """The bus callback: never blocks; a batch that does not fit is dropped whole."""
         if self._size + len(events) > self.maxsize:
             self.dropped += len(events)
             if self._items and isinstance(self._items[-1], int):
@@ -48,12 +46,6 @@ class EventStream:
         else:
             self._items.extend(events)
             self._size += len(events)
-        if not self._wake_pending and not self._loop.is_closed():
-            self._wake_pending = True
-            self._loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        self._wake_pending = False
         self._ready.set()
 
     async def take(self, timeout: float) -> list[Event | int]:
@@ -76,16 +68,8 @@ class EventStream:
 async def event_messages(engine: AsyncEngine, meta: dict, maxsize: int = DEFAULT_MAXSIZE,
                          keepalive_s: float = 15.0) -> AsyncIterator[str]:
     """The SSE messages of one ``/v1/events`` client, until it goes away."""
-    stream = EventStream(asyncio.get_running_loop(), maxsize)
-    llm = engine.live.llm
-
-    def join() -> Callable[[], None]:
-        snapshot = llm.snapshot()
-        unsubscribe = llm.events.subscribe(stream.put_batch, batched=True)  # the announcements come first
-        stream.put_batch([snapshot])
-        return unsubscribe
-
-    unsubscribe = await engine.call(join)
+    stream = EventStream(maxsize)
+    unsubscribe = await engine.join(stream.put_batch)  # the announcements, the snapshot, then the events
     created = time.time()
     seq = 0
     quiet_since = time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,11 +21,10 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.live import RequestHandle
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError, RequestRejectedError
 from serve.chat_template import ChatTemplate
-from serve.engine_client import AsyncEngine, EngineDeadError
+from serve.engine_client import AsyncEngine, EngineDeadError, RequestHandle
 from serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 # Greedy below this temperature, and no lower temperature than the second (vLLM's rules).
@@ -52,6 +52,11 @@ class ServedModel:
                                 "allow_logprobs": False, "allow_search_indices": False, "allow_view": True,
                                 "allow_fine_tuning": False, "organization": "*", "group": None,
                                 "is_blocking": False}]}
+
+
+def _random_id() -> str:
+    """A response id's random part: 64 bits, not a secret (uuid4 costs a system call per request)."""
+    return f"{random.getrandbits(64):016x}"
 
 
 @dataclass(slots=True)
@@ -137,8 +142,8 @@ class OpenAIServing:
                                 f"contains {len(token_ids)} input tokens: reduce the length of the prompt.",
                            "input_tokens")
         vocab = self.model.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = [t for t in token_ids if not 0 <= t < vocab]
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, requested: int | None,
@@ -205,7 +210,7 @@ class OpenAIServing:
         for token_ids in prompts:
             self._check_prompt(token_ids)
         params = [self._params(req, len(p), req.max_tokens, "max_tokens") for p in prompts]
-        response_id = f"cmpl-{request_id or req.request_id or uuid.uuid4().hex[:16]}"
+        response_id = f"cmpl-{request_id or req.request_id or _random_id()}"
         event = asyncio.Event()
         choices = await self._submit(prompts, params, response_id, trace_headers, event, req.priority)
         writer = _Chunks(response_id, "text_completion", self.model.name)
@@ -232,7 +237,7 @@ class OpenAIServing:
         self._check_prompt(token_ids)
         requested, field_name = req.requested_max_tokens
         params = self._params(req, len(token_ids), requested, field_name)
-        response_id = f"chatcmpl-{request_id or req.request_id or uuid.uuid4().hex[:16]}"
+        response_id = f"chatcmpl-{request_id or req.request_id or _random_id()}"
         event = asyncio.Event()
         choices = await self._submit([token_ids], [params], response_id, trace_headers, event, req.priority)
         writer = _Chunks(response_id, "chat.completion.chunk", self.model.name)
@@ -327,6 +332,8 @@ class _EventStream(Response):
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache"})
         self.engine, self.choices, self.event, self.writer, self.req, self.chat = engine, choices, event, writer, req, chat
+        # Read once: the request's options are looked at for every chunk of every step.
+        self.continuous, self.with_ids = req.continuous_usage, bool(req.return_token_ids)
 
     async def __call__(self, scope, receive, send) -> None:
         event, choices = self.event, self.choices
@@ -359,8 +366,7 @@ class _EventStream(Response):
 
     def _chunks(self, started: set[int]) -> list[str]:
         """The chunks of what every choice brought since the last call."""
-        writer, chat = self.writer, self.chat
-        continuous, with_ids = self.req.continuous_usage, bool(self.req.return_token_ids)
+        writer, chat, continuous, with_ids = self.writer, self.chat, self.continuous, self.with_ids
         parts = []
         for choice in self.choices:
             text = choice.take()

@@ -1,20 +1,24 @@
-"""Servers for tests: ``python -m serve``'s own ``Server`` on a thread of the test process (so a test
-can also look at the engine behind it), or the real command in a subprocess."""
+"""Servers for tests: ``python -m serve``'s own ``Server`` on a thread of the test process, its engine
+in a process of its own as always (a test reaches the engine through its client: snapshots, pause,
+the relayed events), or the real command in a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from engine.llm_engine import LLM, LLMEngine
+from engine.events import EventBus, Snapshot
+from serve.engine_client import AsyncEngine
 from serve.server import Server
 from telemetry.metrics_server import listen
 from telemetry.prometheus import PrometheusExporter
@@ -26,19 +30,38 @@ ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=96, max_nu
 
 
 @dataclass
-class InProcessServer:
+class ThreadedServer:
     url: str
-    llm: LLMEngine
+    engine: AsyncEngine
     server: Server
     exporter: PrometheusExporter
 
     @property
-    def live(self):
-        return self.server.state.engine.live
+    def events(self) -> EventBus:
+        """The engine's events as the server receives them."""
+        return self.engine.events
+
+    def call(self, coroutine: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+        """Run ``coroutine`` on the server's event loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.server._loop).result(timeout)
+
+    def snapshot(self) -> Snapshot:
+        """The engine's requests and blocks between two of its steps."""
+        return self.call(self.engine.snapshot())
+
+    def pause(self) -> None:
+        self.server._loop.call_soon_threadsafe(self.engine.pause)
+
+    def resume(self) -> None:
+        self.server._loop.call_soon_threadsafe(self.engine.resume)
+
+    def num_waiting(self) -> int:
+        return sum(state in ("waiting", "preempted") for state in self.snapshot().states)
 
     def pool_is_whole(self) -> bool:
-        bm = self.llm.scheduler.block_manager
-        return self.llm.is_finished() and len(bm.free_block_ids) == bm.num_blocks
+        """No request in the engine and no block held, on the engine's own word."""
+        snapshot = self.snapshot()
+        return not snapshot.request_ids and not any(snapshot.refcounts)
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait until the engine holds no request and no block; False on timeout."""
@@ -51,26 +74,37 @@ class InProcessServer:
 
 
 @contextmanager
-def in_process_server(checkpoint: Path, *, name: str = "tiny", api_key: str | None = None,
-                      chat_template: str | None = None, kv_cache_metrics: bool = False,
-                      **engine: object) -> Iterator[InProcessServer]:
-    llm = LLM(str(checkpoint), **{**ENGINE, **engine})
+def threaded_server(checkpoint: Path, *, name: str = "tiny", api_key: str | None = None,
+                chat_template: str | None = None, kv_cache_metrics: bool = False,
+                **engine: object) -> Iterator[ThreadedServer]:
+    """A server on a thread of the test process for ``checkpoint`` with ``ENGINE`` (updated by
+    ``engine``); the exporter counts every KV block (``kv_cache_metrics`` sampled at 1)."""
+    async_engine = AsyncEngine(str(checkpoint), {**ENGINE, **engine}, torch_threads=1)
     exporter = PrometheusExporter(name, kv_cache_metrics=kv_cache_metrics, kv_cache_metrics_sample=1.0)
-    exporter.attach(llm.events)
-    server = Server.for_engine(llm, checkpoint, name, exporter.registry, listen("127.0.0.1", 0, backlog=256),
-                               api_key=api_key, chat_template=chat_template)
-    thread = threading.Thread(target=server.run, name="test-server", daemon=True)
+    exporter.attach(async_engine.events)
+    server = Server(async_engine, checkpoint, name, exporter.registry, listen("127.0.0.1", 0, backlog=256),
+                    api_key=api_key, chat_template=chat_template)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException as exc:  # handed to the test
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="test-server", daemon=True)
     thread.start()
     try:
-        if not server.started.wait(30):
-            raise RuntimeError("the test server did not start within 30 s")
-        yield InProcessServer(server.url, llm, server, exporter)
+        if not server.started.wait(120):
+            raise RuntimeError("the test server did not start within 120 s")
+        if failure:
+            raise failure[0]
+        yield ThreadedServer(server.url, async_engine, server, exporter)
     finally:
         server.stop()
         thread.join(30)
         server.sock.close()
         exporter.close()
-        llm.close()
 
 
 @dataclass

@@ -7,7 +7,19 @@ from dataclasses import fields
 
 import pytest
 
-from engine.events import EVENT_TYPES, EventBus, PrefixHit, Step, event_from_dict, event_to_dict
+import msgspec
+
+from engine.events import (
+    EVENT_TYPES,
+    EngineStarted,
+    EventBus,
+    PrefixHit,
+    Step,
+    event_from_dict,
+    event_to_dict,
+    pack_events,
+    unpack_events,
+)
 from tests.control_plane import HOST_TIER, FakeEngine, mid_run_snapshot, workload_events
 
 BS = 16
@@ -34,6 +46,45 @@ def test_every_kind_of_a_real_run_survives_json_and_back():
     for event in events:
         data = json.loads(json.dumps(event_to_dict(event)))
         assert data["kind"] == event.kind and event_from_dict(data) == event
+
+
+def test_every_kind_of_a_real_run_crosses_the_wire_unchanged():
+    """The wire form an engine in another process sends (engine/core.py): msgpack of the packed list."""
+    events = (workload_events(overlap=True, **HOST_TIER) + workload_events(preemption_mode="swap", **HOST_TIER)
+              + [mid_run_snapshot(**HOST_TIER)])
+    assert {e.kind for e in events} == set(EVENT_TYPES)
+    received = unpack_events(msgspec.msgpack.decode(msgspec.msgpack.encode(pack_events(events))))
+    assert received == events
+    assert all(type(a) is type(b) for a, b in zip(received, events))
+    assert all(isinstance(getattr(e, f.name), tuple) for e in received for f in fields(e)
+               if isinstance(getattr(e, f.name), (list, tuple)))  # immutable, as emitted
+
+
+def test_a_relay_delivers_what_the_engines_bus_delivered():
+    """A bus fed by ``relay`` (the server's, fed from the engine's process) gives plain and batch
+    subscribers what the engine's own bus gave them, and replays the relayed announcements."""
+    engine = FakeEngine(overlap=True)
+    plain, batches = [], []
+    engine.bus.subscribe(plain.append)
+    engine.bus.subscribe(batches.append, batched=True)
+    relay = EventBus()
+    relayed_plain, relayed_batches = [], []
+    relay.subscribe(relayed_plain.append)
+    relay.subscribe(relayed_batches.append, batched=True)
+    relay.relay(engine.bus.announcements, announced=True)
+    for i in range(4):
+        engine.add(prompt(40, i), max_tokens=6)
+    while not engine.is_finished():
+        engine.step()
+    for batch in batches[1:]:  # the first is the announcements, relayed above
+        relay.relay(batch)
+    assert relayed_plain == plain and relayed_batches == batches
+    late = []
+    relay.subscribe(late.append, batched=True)
+    assert [e.kind for e in late[0]] == [e.kind for e in batches[0]] and isinstance(late[0][0], EngineStarted)
+    quiet = []
+    relay.subscribe(quiet.append, batched=True, replay=False)
+    assert quiet == []
 
 
 def test_rebuilding_names_an_unknown_kind_or_the_missing_fields():

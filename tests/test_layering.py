@@ -22,7 +22,8 @@ def import_with_blocked(modules: list[str], blocked: set[str]) -> subprocess.Com
 
 def test_engine_never_imports_exporters_or_ui():
     result = import_with_blocked(
-        ["engine", "engine.live", "engine.workloads", "engine.options", "engine.model_runner", "engine.detokenizer"],
+        ["engine", "engine.live", "engine.core", "engine.workloads", "engine.options", "engine.model_runner",
+         "engine.detokenizer"],
         {"prometheus_client", "opentelemetry", "textual", "fastapi", "starlette", "uvicorn", "telemetry", "serve",
          "tui", "experiments"},
     )
@@ -49,7 +50,7 @@ def test_telemetry_never_imports_the_server_or_ui():
 
 def test_the_server_never_imports_the_ui_or_the_labs():
     result = import_with_blocked(
-        ["serve", "serve.app", "serve.server", "serve.openai", "serve.events", "serve.__main__"],
+        ["serve", "serve.app", "serve.server", "serve.openai", "serve.events", "serve.engine_client", "serve.__main__"],
         {"textual", "tui", "experiments"},
     )
     assert result.returncode == 0, result.stderr

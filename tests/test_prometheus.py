@@ -154,9 +154,9 @@ def test_the_servers_port_keeps_the_contract_and_adds_http_and_process_metrics(t
     beside it (prometheus-fastapi-instrumentator's http_* series, process_* and python_*)."""
     import httpx
 
-    from tests.servers import in_process_server
+    from tests.servers import threaded_server
 
-    with in_process_server(tiny_checkpoint, name="served") as server:
+    with threaded_server(tiny_checkpoint, name="served") as server:
         for i in range(3):
             httpx.post(server.url + "/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 4})
         httpx.post(server.url + "/v1/completions", json={"prompt": "x", "n": 2})

@@ -273,12 +273,12 @@ def test_vllm_overview_dashboard_answers_from_the_servers_port(prometheus, tmp_p
     """A real Prometheus scrapes `python -m serve`'s /metrics (the API's own port) while clients send
     traffic: every query of vLLM's overview dashboard that needs only series a text model has returns
     data (glassbox's own dashboard is checked above, on a pretend CUDA engine with graph replays)."""
-    from tests.servers import in_process_server
+    from tests.servers import threaded_server
 
     deadline = time.monotonic() + DEADLINE_S
     log_path = tmp_path / "prometheus.log"
     model = "served-tiny"
-    with in_process_server(tiny_checkpoint, name=model, num_kvcache_blocks=32) as server:
+    with threaded_server(tiny_checkpoint, name=model, num_kvcache_blocks=32) as server:
         base = prometheus(int(server.url.rsplit(":", 1)[1]))
         stop = threading.Event()
 

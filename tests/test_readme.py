@@ -42,14 +42,14 @@ def test_the_readme_snippet_prints_one_event_per_line_then_the_text(tiny_checkpo
 
 def test_the_readme_serving_snippet_talks_to_the_server(tiny_checkpoint, tmp_path):
     """The "Serving real clients" snippet, pointed at a server on a free port instead of 8000."""
-    from tests.servers import in_process_server
+    from tests.servers import threaded_server
 
     section = (REPO / "README.md").read_text().split("## Serving real clients", 1)[1].split("\n## ", 1)[0]
     command, = re.findall(r"```bash\n(python -m serve [^\n]*)", section)
     assert "--preset tiny --port 8000" in command
     snippet, = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     assert snippet.count("http://127.0.0.1:8000/v1") == 1
-    with in_process_server(tiny_checkpoint, name="tiny") as server:
+    with threaded_server(tiny_checkpoint, name="tiny") as server:
         result = subprocess.run([sys.executable, "-c", snippet.replace("http://127.0.0.1:8000", server.url)],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

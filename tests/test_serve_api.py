@@ -1,5 +1,5 @@
 """The OpenAI-compatible API, through the real ``openai`` SDK and raw HTTP, against the server's own
-``Server`` on a thread (so the tests also see the engine behind it)."""
+``Server`` on a thread (so the tests also reach the engine behind it, through its client)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import pytest
 
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
-from tests.servers import ENGINE, in_process_server
+from tests.servers import ENGINE, threaded_server
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    with in_process_server(tiny_checkpoint) as running:
+    with threaded_server(tiny_checkpoint) as running:
         yield running
 
 
@@ -310,8 +310,8 @@ def test_other_endpoints(server, reference):
 
 
 def test_full_queue_is_503_with_retry_after(tiny_checkpoint):
-    with in_process_server(tiny_checkpoint, max_waiting_requests=2) as server:
-        server.live.pause()
+    with threaded_server(tiny_checkpoint, max_waiting_requests=2) as server:
+        server.pause()
         results: list[httpx.Response] = []
 
         def post() -> None:
@@ -322,12 +322,12 @@ def test_full_queue_is_503_with_retry_after(tiny_checkpoint):
         for thread in waiting:
             thread.start()
         deadline = time.monotonic() + 10
-        while len(server.llm.scheduler.waiting) < 2 and time.monotonic() < deadline:
+        while server.num_waiting() < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         assert "max_waiting_requests=2" in refused.json()["error"]["message"]
-        server.live.resume()
+        server.resume()
         for thread in waiting:
             thread.join(30)
         assert [r.status_code for r in results] == [200, 200]
@@ -336,10 +336,10 @@ def test_full_queue_is_503_with_retry_after(tiny_checkpoint):
 
 def test_priority_field_orders_the_queue(tiny_checkpoint):
     """Under --scheduling-policy priority the HTTP ``priority`` field decides who is admitted next."""
-    with in_process_server(tiny_checkpoint, scheduling_policy="priority", max_num_seqs=1) as server:
-        server.live.pause()
+    with threaded_server(tiny_checkpoint, scheduling_policy="priority", max_num_seqs=1) as server:
+        server.pause()
         events = []
-        server.llm.events.subscribe(events.append)
+        server.events.subscribe(events.append)
         priorities = [5, 0, 9, -2, 0, 3]
         results: list[httpx.Response] = []
 
@@ -352,9 +352,9 @@ def test_priority_field_orders_the_queue(tiny_checkpoint):
             threads.append(threading.Thread(target=post, args=(priority,)))
             threads[-1].start()
             deadline = time.monotonic() + 10
-            while len(server.llm.scheduler.waiting) < len(threads) and time.monotonic() < deadline:
+            while server.num_waiting() < len(threads) and time.monotonic() < deadline:
                 time.sleep(0.01)
-        server.live.resume()
+        server.resume()
         for thread in threads:
             thread.join(30)
         assert [r.status_code for r in results] == [200] * len(priorities)
@@ -365,7 +365,7 @@ def test_priority_field_orders_the_queue(tiny_checkpoint):
 
 
 def test_api_key_guards_v1_only(tiny_checkpoint):
-    with in_process_server(tiny_checkpoint, api_key="s3cret") as server:
+    with threaded_server(tiny_checkpoint, api_key="s3cret") as server:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             response = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
             assert response.status_code == 401 and "API key" in response.json()["error"]["message"]

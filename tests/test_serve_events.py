@@ -14,7 +14,7 @@ import pytest
 from engine.events import Snapshot
 from serve.events import EventStream
 from tests.control_plane import FakeEngine, prompt_tokens_for, workload_events
-from tests.servers import in_process_server
+from tests.servers import threaded_server
 from tui.sources import ConnectedSource, EngineError, Notice, Reset
 from tui.state import DashboardState
 
@@ -62,26 +62,26 @@ def send(url: str, count: int, max_tokens: int, salt: int) -> list[threading.Thr
 
 def test_joined_early_or_mid_run_the_picture_is_the_engines(tiny_checkpoint):
     # A pool of 24 blocks of 16 tokens for 12 requests of ~60 + 40 tokens: preemptions, shared and cached blocks.
-    with in_process_server(tiny_checkpoint, num_kvcache_blocks=24, max_num_seqs=8) as server:
+    with threaded_server(tiny_checkpoint, num_kvcache_blocks=24, max_num_seqs=8) as server:
         inside = DashboardState()
-        server.llm.events.subscribe(inside.apply)  # on the engine's thread, from the start
+        server.events.subscribe(inside.apply)  # every event the engine sends, from the start
         early = ConnectedSource(server.url)
         early.start()
         wait_for(lambda: early.phase == "live")
         first = send(server.url, 12, 40, salt=1)
-        wait_for(lambda: server.llm.scheduler.running)
+        wait_for(lambda: 'decode' in server.snapshot().states)
         late = ConnectedSource(server.url)
         late.start()
         wait_for(lambda: late.phase == "live")
         # Paused in the middle: requests running and waiting, blocks shared and cached.
-        server.live.pause()
+        server.pause()
         time.sleep(0.5)  # what the engine published before pausing reaches both streams
         early_state, late_state = drained(early), drained(late)
         assert any(r > 1 for r in inside.refcounts) or inside.waiting, "the pause found nothing in flight"
         assert picture(early_state) == picture(inside)
         assert picture(late_state) == picture(inside)
         assert late_state.events_seen < early_state.events_seen  # it really joined late
-        server.live.resume()
+        server.resume()
         second = send(server.url, 6, 20, salt=2)
         for thread in first + second:
             thread.join(120)
@@ -98,7 +98,7 @@ def test_joined_early_or_mid_run_the_picture_is_the_engines(tiny_checkpoint):
 
 
 def test_the_stream_needs_the_api_key_and_a_wrong_one_is_shown(tiny_checkpoint):
-    with in_process_server(tiny_checkpoint, api_key="k3y") as server:
+    with threaded_server(tiny_checkpoint, api_key="k3y") as server:
         assert httpx.get(server.url + "/v1/events").status_code == 401
         refused = ConnectedSource(server.url, api_key="wrong")
         refused.start()
@@ -114,7 +114,7 @@ def test_the_stream_needs_the_api_key_and_a_wrong_one_is_shown(tiny_checkpoint):
 
 
 def test_a_lost_server_is_shown_and_retried(tiny_checkpoint):
-    with in_process_server(tiny_checkpoint) as server:
+    with threaded_server(tiny_checkpoint) as server:
         source = ConnectedSource(server.url)
         source.start()
         wait_for(lambda: source.phase == "live")
@@ -129,7 +129,7 @@ def test_a_full_client_queue_drops_whole_steps_and_says_how_many():
     events = workload_events()
 
     async def run() -> list:
-        stream = EventStream(asyncio.get_running_loop(), maxsize=10)
+        stream = EventStream(maxsize=10)
         stream.put_batch(events[:8])
         stream.put_batch(events[8:20])  # 8 + 12 > 10: dropped whole
         stream.put_batch(events[20:22])

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import REPO, in_process_server, serve_process
+from tests.servers import REPO, threaded_server, serve_process
 
 ENGINE_ARGS = ("--device", "cpu", "--block-size", "16", "--num-blocks", "64", "--max-model-len", "512")
 
@@ -66,20 +66,34 @@ def test_usage_errors_are_one_line_before_anything_loads(tiny_checkpoint, tmp_pa
     assert size.returncode == 2 and "--max-request-bytes must be positive" in size.stderr
 
 
+def test_an_engine_that_cannot_be_built_is_one_line_too(tiny_checkpoint, tmp_path):
+    """Found only by the engine's process, while it loads: a truncated weights file. The error
+    crosses to the server's process and ends it as any usage error does."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    run = subprocess.run([sys.executable, "-m", "serve", "--model", str(broken), "--port", "0", *ENGINE_ARGS],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "model.safetensors" in errors[0] and "Traceback" not in run.stderr
+
+
 def test_chat_without_a_template_is_a_400_that_says_so(tiny_checkpoint, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(tiny_checkpoint, bare)
     config = json.loads((bare / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
-    with in_process_server(bare) as server:
+    with threaded_server(bare) as server:
         response = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert response.status_code == 400
         assert "no chat template" in response.json()["error"]["message"]
         assert "--chat-template" in response.json()["error"]["message"]
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
-    with in_process_server(bare, chat_template=template.read_text()) as server:
+    with threaded_server(bare, chat_template=template.read_text()) as server:
         response = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
         tokens = response.json()["tokens"]
         assert httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json()["prompt"] == "user: hi\nassistant:"
@@ -96,7 +110,7 @@ def test_guidellm_counts_what_the_server_counts(tiny_checkpoint, tmp_path):
     """guidellm runs 20 streaming requests of 48 tokens against a server whose context (64 tokens)
     leaves room for fewer: the tokens it reports can only equal the server's if it reads the server's
     usage (random-weight text does not survive a tokenizer round trip)."""
-    with in_process_server(tiny_checkpoint, max_model_len=64) as server:
+    with threaded_server(tiny_checkpoint, max_model_len=64) as server:
         result = tmp_path / "benchmarks.json"
         run = subprocess.run(
             [guidellm(), "run",

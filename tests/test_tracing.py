@@ -226,13 +226,13 @@ def test_a_request_with_a_traceparent_joins_the_callers_trace(tiny_checkpoint):
     and it names the request as the client did (X-Request-Id)."""
     import httpx
 
-    from tests.servers import in_process_server
+    from tests.servers import threaded_server
 
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     memory = InMemorySpanExporter()
-    with in_process_server(tiny_checkpoint) as server:
+    with threaded_server(tiny_checkpoint) as server:
         tracer = RequestTracer(span_exporter=memory)
-        tracer.attach(server.llm.events)
+        tracer.attach(server.events)
         headers = {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=glassbox",
                    "X-Request-Id": "client-42"}
         response = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3,

@@ -546,10 +546,10 @@ def test_connected_to_a_server_it_shows_the_served_engine_and_hides_the_workload
 
     import httpx
 
-    from tests.servers import in_process_server
+    from tests.servers import threaded_server
     from tui.sources import ConnectedSource
 
-    with in_process_server(tiny_checkpoint, num_kvcache_blocks=48) as server:
+    with threaded_server(tiny_checkpoint, num_kvcache_blocks=48) as server:
         source = ConnectedSource(server.url)
         app = DashboardApp(source)
 

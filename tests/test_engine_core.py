@@ -1,0 +1,110 @@
+"""The engine in a process of its own (engine/core.py) and its client (serve/engine_client.py): what
+crosses the sockets, a request whose client leaves before it is admitted, an engine process that
+dies, and a server process that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.sampling_params import SamplingParams
+from serve.engine_client import AsyncEngine, EngineDeadError
+from tests.servers import ENGINE, serve_process, threaded_server
+
+
+def test_a_request_whose_client_left_before_admission_is_aborted(tiny_checkpoint):
+    async def run() -> tuple[list, object]:
+        engine = AsyncEngine(str(tiny_checkpoint), ENGINE, torch_threads=1)
+        kinds = []
+        engine.events.subscribe(lambda e: kinds.append((e.kind, getattr(e, "reason", None))))
+        await engine.start()
+        try:
+            event = asyncio.Event()
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            leaving = asyncio.ensure_future(engine.submit(list(range(1, 40)), params, event))
+            await asyncio.sleep(0)  # the request is on its way to the engine
+            leaving.cancel()
+            staying = await engine.submit(list(range(50, 70)), SamplingParams(temperature=0, max_tokens=4), event)
+            while staying.finish_reason is None:
+                await event.wait()
+                event.clear()
+            deadline = time.monotonic() + 30
+            while (snapshot := await engine.snapshot()).request_ids and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return kinds, snapshot
+        finally:
+            await engine.close()
+
+    kinds, snapshot = asyncio.run(run())
+    assert not snapshot.request_ids and not any(snapshot.refcounts)
+    finished = [reason for kind, reason in kinds if kind == "request_finished"]
+    assert sorted(finished) == ["abort", "length"]  # the one that left was admitted, then aborted
+
+
+def test_a_killed_engine_process_ends_the_streams_with_an_error_and_the_server_with_them(tiny_checkpoint):
+    with threaded_server(tiny_checkpoint) as server:
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+        client = threading.Thread(target=stream)
+        client.start()
+        deadline = time.monotonic() + 30
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(lines) >= 3, "the stream never started"
+        process = server.engine.process
+        os.kill(process.pid, signal.SIGKILL)
+        client.join(30)
+        assert not client.is_alive()
+        error = server.engine.error
+        assert isinstance(error, EngineDeadError) and "killed by signal 9" in str(error)
+        deadline = time.monotonic() + 30
+        while not server.server._loop.is_closed():  # the server stops with its engine
+            assert time.monotonic() < deadline, "the server outlived its engine by 30 s"
+            time.sleep(0.05)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health", timeout=5)
+    assert lines[-1] == "data: [DONE]"
+    body = json.loads(lines[-2][6:])
+    assert body["error"]["code"] == 500 and "killed by signal 9" in body["error"]["message"]
+    assert not process.is_alive()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children")
+            for child in path.read_text().split()]
+
+
+def test_the_engine_process_does_not_outlive_the_server_process(tiny_checkpoint, tmp_path):
+    with serve_process("--model", str(tiny_checkpoint), "--device", "cpu", "--block-size", "16",
+                       "--num-blocks", "32", "--max-model-len", "256", env={"TMPDIR": str(tmp_path)}) as server:
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        engines = _children(server.process.pid)
+        assert engines, "python -m serve has no engine process"
+        assert list(tmp_path.glob("glassbox-engine-*/outputs"))  # the sockets the two processes talk over
+        server.process.kill()  # no chance to stop its engine
+        server.process.wait(10)
+    deadline = time.monotonic() + 15
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in engines):
+        assert time.monotonic() < deadline, f"engine process(es) {engines} outlived the server by 15 s"
+        time.sleep(0.1)
+    assert not list(tmp_path.glob("glassbox-engine-*")), "the engine left its socket directory behind"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
+    except (FileNotFoundError, IndexError):
+        return "zombie"
