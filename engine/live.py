@@ -332,7 +332,8 @@ class LiveEngine:
             self.pacer.served(busy_s, abs(num_tokens), len(self.llm.scheduler.waiting))
 
     def _release(self, error: BaseException | None) -> None:
-        for seq in [*self.llm.scheduler.waiting, *self.llm.scheduler.running]:
+        scheduler = self.llm.scheduler
+        for seq in [*scheduler.waiting, *scheduler.loading, *scheduler.running]:
             self.llm.abort_request(seq.seq_id)
         if error is None:
             self.llm.drain()  # nothing of it is wanted: only the engine is left clean
