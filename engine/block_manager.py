@@ -64,8 +64,10 @@ class OffloadCandidate:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: EventBus | None = None, offload_policy: str | None = None) -> None:
+                 events: EventBus | None = None, offload_policy: str | None = None, medium: str = "GPU") -> None:
         self.block_size = block_size
+        # Where the blocks live, as the block events say: the GPU pool, or host memory in CPU-offload mode.
+        self.medium = medium
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventBus()
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
@@ -115,7 +117,7 @@ class BlockManager:
     def _emit_evictions(self, evicted: list[tuple[int, int]]) -> None:
         if self.events.active:
             for block_id, hash_ in evicted:
-                self.events.emit(BlockEvict, block_id=block_id, hash=hash_, medium="GPU")
+                self.events.emit(BlockEvict, block_id=block_id, hash=hash_, medium=self.medium)
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of the first ``num_blocks`` full blocks of ``seq``, each computed once
@@ -167,7 +169,7 @@ class BlockManager:
         self._emit_evictions(evicted)
         if self.events.active:
             self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=tuple(seq.block_table),
-                             refcounts=tuple(self.blocks[b].ref_count for b in seq.block_table), medium="GPU")
+                             refcounts=tuple(self.blocks[b].ref_count for b in seq.block_table), medium=self.medium)
             self.events.emit(PrefixHit, request_id=seq.seq_id, query_tokens=seq.num_tokens,
                              hit_tokens=seq.num_cached_tokens, hit_block_ids=tuple(hit_block_ids))
 
@@ -191,7 +193,7 @@ class BlockManager:
                 freed += 1
         if self.events.active and block_ids:
             self.events.emit(BlockFree, request_id=seq.seq_id, block_ids=block_ids,
-                             refcounts=tuple(self.blocks[b].ref_count for b in block_ids), medium="GPU")
+                             refcounts=tuple(self.blocks[b].ref_count for b in block_ids), medium=self.medium)
         return freed
 
     def uncache(self, seq: Sequence) -> None:
@@ -227,7 +229,7 @@ class BlockManager:
             seq.block_table.append(block_id)
             self._emit_evictions(evicted)
             if self.events.active:
-                self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=(block_id,), refcounts=(1,), medium="GPU")
+                self.events.emit(BlockAlloc, request_id=seq.seq_id, block_ids=(block_id,), refcounts=(1,), medium=self.medium)
 
     def hash_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
         """Register the blocks that ``num_new_tokens`` newly computed tokens (prompt or generated)
@@ -256,4 +258,4 @@ class BlockManager:
                         OffloadCandidate(block.block_id, h, block.parent_hash, block.token_ids, seq.seq_id))
         if self.events.active and stored_ids:
             self.events.emit(BlockStored, request_id=seq.seq_id, block_ids=tuple(stored_ids),
-                             hashes=tuple(stored_hashes), parent_hash=parent, medium="GPU")
+                             hashes=tuple(stored_hashes), parent_hash=parent, medium=self.medium)

@@ -70,10 +70,16 @@ class Config:
     scheduling_policy: str = "fcfs"
     # Mixed batching: a prefill chunk takes at most this many tokens of a step (0: no cap; vLLM's).
     long_prefill_token_threshold: int = 0
+    # Seed 004's CPU-primary KV (engine.offload_engine): every block lives in host memory (sized by
+    # kv_offloading_size or num_host_kvcache_blocks, else by default), and num_kvcache_blocks is the
+    # GPU ring the KV streams through. Steps run one request each, synchronously.
+    enable_cpu_offload: bool = False
 
     @property
     def host_tier_enabled(self) -> bool:
-        return self.kv_offloading_size > 0 or self.num_host_kvcache_blocks > 0
+        """A second KV tier behind the GPU pool (engine.host_tier); in CPU-offload mode the host
+        sizes are the primary pool's instead."""
+        return not self.enable_cpu_offload and (self.kv_offloading_size > 0 or self.num_host_kvcache_blocks > 0)
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
@@ -110,7 +116,7 @@ class Config:
                  "must be -1 (256 MiB) or at least 1")
         _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
                  f"must be one of {', '.join(PREEMPTION_MODES)}")
-        _require(self.preemption_mode != "swap" or self.host_tier_enabled, "preemption_mode",
+        _require(self.preemption_mode != "swap" or self.host_tier_enabled or self.enable_cpu_offload, "preemption_mode",
                  self.preemption_mode, "swap needs the host tier: give kv_offloading_size (GiB) or "
                  "num_host_kvcache_blocks too")
         _require(self.batching in BATCHING, "batching", self.batching, f"must be one of {', '.join(BATCHING)}")
@@ -118,6 +124,24 @@ class Config:
                  f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                  self.long_prefill_token_threshold, "must be a number of tokens, 0 for no cap")
+        if self.enable_cpu_offload:
+            self._check_cpu_offload()
         _require(self.tensor_parallel_size == 1 or not self.host_tier_enabled, "tensor_parallel_size",
                  self.tensor_parallel_size, "the host KV tier does not run with tensor parallelism yet: "
                  "use one of them")
+
+    def _check_cpu_offload(self) -> None:
+        """What CPU-offload mode does not support yet is refused, naming what to change."""
+        mode = "enable_cpu_offload runs one request per step through the GPU ring"
+        _require(self.batching == "prefill-first", "batching", self.batching,
+                 f"{mode}: mixed batches are not supported with it yet; use prefill-first")
+        _require(self.preemption_mode == "recompute", "preemption_mode", self.preemption_mode,
+                 "with enable_cpu_offload every block is in host memory already: there is nothing to swap; "
+                 "use recompute")
+        _require(self.kv_offloading_policy == "write-through", "kv_offloading_policy", self.kv_offloading_policy,
+                 "with enable_cpu_offload every block is written to host memory as it is computed: the "
+                 "host tier's store policies do not apply; leave it write-through")
+        _require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                 "enable_cpu_offload does not run with tensor parallelism yet: use one of them")
+        # A step's new K/V must reach host memory before the next step's loads read it.
+        self.async_scheduling = False

@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 # policy; ``request_arrived`` has ``priority``; ``schedule`` has which requests prefill (a ``mixed``
 # step has both); ``waiting`` is new; ``step`` has the waiting requests by reason; ``snapshot`` has
 # their reasons.
-SCHEMA_VERSION = 5
+# Version 6, CPU-offload mode: ``engine_started`` has ``enable_cpu_offload``; ``ring_transfer`` and
+# ``ring_step`` are new.
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +80,10 @@ class EngineStarted(Event):
     tensor_parallel_size: int
     gpu_memory_utilization: float
     # The host KV tier: 0 blocks when off; the size as given in GiB (None when given in blocks).
+    # With ``enable_cpu_offload`` the host pool holds every block and ``num_blocks`` is the GPU ring.
     num_cpu_blocks: int
     kv_offloading_size: float | None
+    enable_cpu_offload: bool
     kv_offloading_policy: str  # write-through or write-back
     preemption_mode: str  # recompute or swap
     batching: str  # prefill-first or mixed
@@ -261,6 +265,51 @@ class KVTransfer(Event):
     num_bytes: int
     issued: float
     seconds: float
+
+
+@_event("ring_transfer")
+class RingTransfer(Event):
+    """CPU-offload mode: one copy of a step's ring pipeline, published once the step landed. A load
+    (``CPU_to_GPU``) is one layer's K/V of a group of earlier blocks into load slots; an offload
+    (``GPU_to_CPU``, ``layer`` -1) is the step's new K/V, every layer, down to its host blocks. Times
+    are device seconds from the step's start; ``waited_s`` is how long attention stood waiting for
+    the load (0 when the copy was hidden behind compute; all of it on the CPU, where copies block)."""
+
+    request_id: int
+    direction: str  # one of TRANSFER_TYPES
+    layer: int
+    slots: tuple[int, ...]
+    cpu_block_ids: tuple[int, ...]
+    num_bytes: int
+    start_s: float
+    end_s: float
+    waited_s: float
+
+
+@_event("ring_step")
+class RingStep(Event):
+    """CPU-offload mode: what a step streamed through the GPU ring, published once it landed, before
+    its ``step`` event. ``slot_blocks`` is the host block each ring slot held at its end (-1: none);
+    ``load_s`` the copy engine's time on its loads, ``wait_s`` the part attention waited for;
+    ``layer_attention_*`` when each layer's attention began and ended (device seconds from the
+    step's start), beside the loads' times in ``ring_transfer``."""
+
+    request_id: int
+    phase: str  # prefill or decode
+    num_tokens: int  # computed this step
+    context_tokens: int  # earlier tokens, streamed in from host memory
+    write_slots: tuple[int, ...]
+    load_slots: tuple[int, ...]
+    slot_blocks: tuple[int, ...]
+    loaded_bytes: int
+    offloaded_bytes: int
+    load_s: float
+    wait_s: float
+    offload_s: float
+    compute_s: float  # from the step's start to the end of its forward
+    merges: int  # partial attention results merged by log-sum-exp
+    layer_attention_start_s: tuple[float, ...]
+    layer_attention_end_s: tuple[float, ...]
 
 
 @_event("step")

@@ -42,7 +42,7 @@ def store_staging_blocks(block_bytes: int) -> int:
     return max(2, STORE_STAGING_BYTES // block_bytes)
 
 
-def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+def runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
     """Split parallel id lists into runs where both count up by one: ``(a0, b0, length)``."""
     runs: list[tuple[int, int, int]] = []
     for x, y in zip(a, b):
@@ -98,7 +98,7 @@ class OffloadingHandler:
         assert n <= len(self.free_slots), "more stores than the staging holds"
         slots = [self.free_slots.popleft() for _ in range(n)]
         gpu = self._index(spec.gpu_block_ids)
-        for s0, j, length in _runs(slots, list(range(n))):
+        for s0, j, length in runs(slots, list(range(n))):
             torch.index_select(self.pool, 0, gpu[j:j + length], out=self.store_staging[s0:s0 + length])
         self._issue(spec, self.store_stream, self.stores, lambda: self._copy_down(spec, slots), slots)
 
@@ -127,7 +127,7 @@ class OffloadingHandler:
         queue.append(_Copy(spec, num_bytes, start, done, 0.0, slots))
 
     def _copy_down(self, spec: TransferSpec, slots: list[int]) -> None:
-        for h0, s0, length in _runs(list(spec.cpu_block_ids), slots):
+        for h0, s0, length in runs(list(spec.cpu_block_ids), slots):
             self.host[h0:h0 + length].copy_(self.store_staging[s0:s0 + length], non_blocking=True)
 
     def _copy_up(self, spec: TransferSpec) -> None:
@@ -135,7 +135,7 @@ class OffloadingHandler:
         chunk = len(self.load_staging)
         for i in range(0, len(spec.gpu_block_ids), chunk):
             cpu = list(spec.cpu_block_ids[i:i + chunk])
-            for h0, s0, length in _runs(cpu, list(range(len(cpu)))):
+            for h0, s0, length in runs(cpu, list(range(len(cpu)))):
                 self.load_staging[s0:s0 + length].copy_(self.host[h0:h0 + length], non_blocking=True)
             self.pool.index_copy_(0, self._index(spec.gpu_block_ids[i:i + chunk]), self.load_staging[:len(cpu)])
 

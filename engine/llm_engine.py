@@ -87,7 +87,7 @@ class LLMEngine:
                 max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
                 enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
                 gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
-                kv_offloading_size=config.kv_offloading_size or None,
+                kv_offloading_size=config.kv_offloading_size or None, enable_cpu_offload=config.enable_cpu_offload,
                 kv_offloading_policy=config.kv_offloading_policy, preemption_mode=config.preemption_mode,
                 batching=config.batching, scheduling_policy=config.scheduling_policy, wall_time=time.time())
             if self.model_runner.uses_cudagraphs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from engine.config import Config, ConfigError
 from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
+from engine.offload_engine import OffloadEngine, chunk_limit
 from engine.sequence import PLACEHOLDER, Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
@@ -37,6 +39,9 @@ from models.sampler import Sampler, SamplingMetadata, row_seed
 
 # The CPU has no memory to profile; a fixed budget keeps the pool predictable and small.
 CPU_KV_CACHE_BYTES = 512 * 1024**2
+# CPU-offload mode's host pool when no size is given: room for max_num_seqs requests of max_model_len
+# tokens, at most this much.
+DEFAULT_HOST_KV_BYTES = 8 * 1024**3
 
 
 def resolve_device(requested: str | None) -> torch.device:
@@ -85,6 +90,7 @@ class LaunchedStep:
     padded_batch_size: int | None
     launch_order: list[int] | None = None  # samples[j] belongs to the caller's sequence launch_order[j]
     wait_s: float = 0.0
+    landed: Callable[[], None] | None = None  # told once everything the step launched has completed
 
     def token_ids(self) -> list[int]:
         """One sampled id per sequence, in the order the sequences were passed to ``launch``."""
@@ -92,6 +98,8 @@ class LaunchedStep:
         if self.ready is not None:
             self.ready.synchronize()
         self.wait_s = time.perf_counter() - t
+        if self.landed is not None:
+            self.landed()
         samples = self.samples.tolist()
         if self.launch_order is None:
             return samples
@@ -118,6 +126,7 @@ class ModelRunner:
         set_attention_backend(self.model, self.backend)
         self.sampler = Sampler(config.seed)
         self.offload: OffloadingHandler | None = None
+        self.ring: OffloadEngine | None = None
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # Inference tensors, like every tensor a step makes (steps run in inference mode).
@@ -133,7 +142,8 @@ class ModelRunner:
 
     @property
     def uses_cudagraphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        # CPU-offload mode runs eagerly: a step's copies, waits and merges depend on its context length.
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.ring is None
 
     # --- KV cache -----------------------------------------------------------------------------
 
@@ -215,8 +225,39 @@ class ModelRunner:
         for i, layer in enumerate(attention_layers(self.model)):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+            layer.layer_index = i
         if config.host_tier_enabled:
             self.offload = self._allocate_host_tier()
+        if config.enable_cpu_offload:
+            self.ring = self._allocate_ring()
+
+    def _allocate_ring(self) -> OffloadEngine:
+        """CPU-offload mode: the host pool that holds every block, behind the GPU ring (the pool just
+        allocated, ``num_kvcache_blocks`` slots); a prefill chunk is limited to what the ring takes."""
+        config = self.config
+        if config.kv_offloading_size > 0:
+            config.num_host_kvcache_blocks = int(config.kv_offloading_size * 2**30) // self.block_bytes
+        elif config.num_host_kvcache_blocks == 0:
+            per_request = -(-config.max_model_len // self.block_size)
+            config.num_host_kvcache_blocks = max(per_request, min(config.max_num_seqs * per_request,
+                                                                  DEFAULT_HOST_KV_BYTES // self.block_bytes))
+        host_bytes = config.num_host_kvcache_blocks * self.block_bytes
+        what = f"the host KV pool ({config.num_host_kvcache_blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
+        fix = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
+        if config.num_host_kvcache_blocks < 1:
+            raise ConfigError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block of "
+                              f"{self.block_bytes / 2**20:.1f} MiB: give the host pool at least that much")
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if host_bytes > physical:
+            raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
+        try:
+            host = torch.empty((*self.kv_cache.shape[:2], config.num_host_kvcache_blocks, *self.kv_cache.shape[3:]),
+                               dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        except RuntimeError as exc:  # pinned memory has limits of its own
+            raise ConfigError(f"{what} could not be allocated ({str(exc).splitlines()[0]}): {fix}") from exc
+        config.max_num_batched_tokens = chunk_limit(config.num_kvcache_blocks, self.block_size,
+                                                    config.max_num_batched_tokens)
+        return OffloadEngine(self.kv_cache, host, self.events)
 
     def _allocate_host_tier(self) -> OffloadingHandler:
         config = self.config
@@ -361,6 +402,8 @@ class ModelRunner:
         waiting for the device. A pure decode step (``phase``) replays a CUDA graph; a prefill or
         mixed one runs the prefill path. Rank 0 returns the handle to read the ids with; other ranks
         None."""
+        if self.ring is not None:
+            return self._launch_ring(seqs, phase)
         t0 = time.perf_counter()
         n = len(seqs)
         padded_batch_size = launch_order = None
@@ -398,6 +441,35 @@ class ModelRunner:
             samples, ready = self.sampled[:n].clone(), None
         return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
                             padded_batch_size=padded_batch_size, launch_order=launch_order)
+
+    def _launch_ring(self, seqs: list[Sequence], phase: str) -> LaunchedStep:
+        """CPU-offload mode: one request's chunk or decode token through the ring (its K/V streams in
+        from host memory layer by layer, and its new K/V goes back there before the step lands)."""
+        t0 = time.perf_counter()
+        (seq,) = seqs  # the scheduler runs one request per step in this mode
+        ring = self.ring
+        step = ring.plan(seq, phase)
+        positions = np.arange(step.start, step.start + step.num_tokens)
+        input_ids = self._tensor(seq.token_ids[step.start:step.start + step.num_tokens], np.int64)
+        set_context(Context(is_prefill=phase == "prefill", cu_seqlens_q=self._tensor([0, step.num_tokens], np.int32),
+                            ring=ring))
+        temperatures = self._tensor([seq.temperature], np.float32)
+        t1 = time.perf_counter()
+        ring.begin(step)
+        try:
+            logits = self.model.compute_logits(self.model(input_ids, self._tensor(positions, np.int64)))
+        finally:
+            reset_context()
+        self.sampler(logits, temperatures, out=self.sampled[:1], meta=self._sampling_metadata(seqs))
+        self.sample_rows = {seq.seq_id: 0}
+        if self.device.type == "cuda":
+            samples = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            samples.copy_(self.sampled[:1], non_blocking=True)
+        else:
+            samples = self.sampled[:1].clone()
+        ready = ring.end()  # the offload follows the sampler: the step has landed once it has
+        return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
+                            padded_batch_size=None, landed=ring.landed)
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata | None:
         """What the sampler needs beyond temperatures for ``seqs`` (in launch order); None for a

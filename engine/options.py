@@ -53,6 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--kv-offloading-policy", choices=OFFLOADING_POLICIES, default="write-through",
                    help="when blocks are copied to the host tier: as they fill (write-through) or as the GPU "
                         "evicts them (write-back) (default: %(default)s)")
+    g.add_argument("--enable-cpu-offload", action="store_true",
+                   help="keep every KV block in host memory (sized by --kv-offloading-size or "
+                        "--num-host-kvcache-blocks) and stream it through a GPU ring of --num-blocks slots: "
+                        "contexts larger than the GPU's KV memory, one request computed per step")
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
                    help="what a preempted request's K/V becomes: recomputed later, or swapped to the host "
                         "tier (default: %(default)s)")
@@ -186,7 +190,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_host_kvcache_blocks=args.num_host_kvcache_blocks,
                 kv_offloading_policy=args.kv_offloading_policy, preemption_mode=args.preemption_mode,
                 batching=args.batching, scheduling_policy=args.scheduling_policy,
-                long_prefill_token_threshold=args.long_prefill_token_threshold)
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                enable_cpu_offload=args.enable_cpu_offload)
 
 
 def build_llm(args: argparse.Namespace):

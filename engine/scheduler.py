@@ -123,7 +123,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: Config, events: EventBus | None = None) -> None:
-        assert config.num_kvcache_blocks > 0, "the KV pool must be sized before the scheduler is built"
+        assert config.num_kvcache_blocks > 0 and (config.num_host_kvcache_blocks > 0 or not config.enable_cpu_offload), \
+            "the KV pool must be sized before the scheduler is built"
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -131,13 +132,19 @@ class Scheduler:
         self.eos = config.eos
         self.events = events or EventBus()
         self.host_tier: HostTier | None = None
-        if config.num_host_kvcache_blocks > 0:
+        if config.host_tier_enabled:
             assert config.kv_offloading_staging_blocks > 0, "the store staging must be sized before the scheduler is built"
             self.host_tier = HostTier(config.num_host_kvcache_blocks, config.kv_offloading_staging_blocks,
                                       config.kv_offloading_policy, self.events)
+        # CPU-offload mode: the blocks are host memory's, one request runs per step (the GPU ring
+        # computes one at a time), and running requests take turns to decode.
+        self.ring = config.enable_cpu_offload
         self.block_manager = BlockManager(
-            config.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching, self.events,
-            offload_policy=config.kv_offloading_policy if self.host_tier is not None else None)
+            config.num_host_kvcache_blocks if self.ring else config.num_kvcache_blocks, config.kvcache_block_size,
+            config.enable_prefix_caching, self.events,
+            offload_policy=config.kv_offloading_policy if self.host_tier is not None else None,
+            medium="CPU" if self.ring else "GPU")
+        self._next_turn = 0  # CPU-offload mode: the running request whose turn to decode comes next
         self.swap = config.preemption_mode == "swap"
         self.mixed = config.batching == "mixed"
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
@@ -206,6 +213,22 @@ class Scheduler:
         # flight), or while its prompt is chunked (mixed batching).
         states += ["prefill" if not seq.prefilled or (seq.is_prefill and seq.last_token == PLACEHOLDER) else "decode"
                    for seq in self.running]
+        return Snapshot(
+            t=time.perf_counter(), step=self.events.step, request_ids=tuple(s.seq_id for s in seqs),
+            states=tuple(states), prompt_tokens=tuple(s.num_prompt_tokens for s in seqs),
+            max_tokens=tuple(s.max_tokens for s in seqs), arrivals=tuple(s.arrival_time for s in seqs),
+            cached_tokens=tuple(s.num_prompt_cached_tokens for s in seqs),
+            output_tokens=tuple(s.num_known_tokens - s.num_prompt_tokens for s in seqs),
+            num_preemptions=tuple(s.num_preemptions for s in seqs),
+            waiting_reasons=tuple((s.waiting_reason or "") if s.status is SequenceStatus.WAITING else
+                                  "host_load" if s.status is SequenceStatus.WAITING_FOR_REMOTE_KVS else ""
+                                  for s in seqs),
+            **self._snapshot_blocks())
+
+    def _snapshot_blocks(self) -> dict:
+        """The snapshot's blocks: the block manager's (the GPU pool's, or host memory's in CPU-offload
+        mode, where the GPU ring holds nothing between steps), and the host tier's as its block
+        events tell them."""
         bm = self.block_manager
         tier = self.host_tier
         host = tier.blocks if tier is not None else []
@@ -217,21 +240,11 @@ class Scheduler:
                 loading_block_ids += job.spec.gpu_block_ids
             elif job.swap is None:
                 writing.update(job.spec.cpu_block_ids)  # a cache store: not shown until it lands
-        return Snapshot(
-            t=time.perf_counter(), step=self.events.step, request_ids=tuple(s.seq_id for s in seqs),
-            states=tuple(states), prompt_tokens=tuple(s.num_prompt_tokens for s in seqs),
-            max_tokens=tuple(s.max_tokens for s in seqs), arrivals=tuple(s.arrival_time for s in seqs),
-            cached_tokens=tuple(s.num_prompt_cached_tokens for s in seqs),
-            output_tokens=tuple(s.num_known_tokens - s.num_prompt_tokens for s in seqs),
-            num_preemptions=tuple(s.num_preemptions for s in seqs),
-            waiting_reasons=tuple((s.waiting_reason or "") if s.status is SequenceStatus.WAITING else
-                                  "host_load" if s.status is SequenceStatus.WAITING_FOR_REMOTE_KVS else ""
-                                  for s in seqs),
-            refcounts=tuple(b.ref_count for b in bm.blocks), cached=tuple(bm.is_cache_entry(b) for b in bm.blocks),
-            cpu_refcounts=tuple(b.ref_count - reading[b.block_id] - writing[b.block_id] for b in host),
-            cpu_reading=tuple(reading[b.block_id] for b in host),
-            cpu_cached=tuple(b.ready and tier.is_cache_entry(b) for b in host),
-            loading_block_ids=tuple(loading_block_ids))
+        return dict(refcounts=tuple(b.ref_count for b in bm.blocks), cached=tuple(bm.is_cache_entry(b) for b in bm.blocks),
+                    cpu_refcounts=tuple(b.ref_count - reading[b.block_id] - writing[b.block_id] for b in host),
+                    cpu_reading=tuple(reading[b.block_id] for b in host),
+                    cpu_cached=tuple(b.ready and tier.is_cache_entry(b) for b in host),
+                    loading_block_ids=tuple(loading_block_ids))
 
     def schedule(self) -> ScheduledBatch:
         """The batch for the next step; an empty batch means idle."""
@@ -265,7 +278,7 @@ class Scheduler:
             reasons.update(dict.fromkeys(order[i + 1:], rest))
 
         for i, seq in enumerate(order):
-            if blocked is None and budget <= 0:
+            if blocked is None and (budget <= 0 or (self.ring and batch)):  # the ring computes one at a time
                 blocked = "budget"
             elif blocked is None and len(self.running) >= self.max_num_seqs:
                 blocked = "max_num_seqs"
@@ -335,9 +348,15 @@ class Scheduler:
         that is who). Returns the budget left and whether anyone was preempted."""
         bm = self.block_manager
         preempted = False
+        order = list(self.running)
+        if self.ring and order:  # one request decodes per step, each in turn
+            turn = self._next_turn % len(order)
+            order = order[turn:] + order[:turn]
         # Every request stays in ``running`` or ``waiting`` throughout (an exception raised here, even
         # a KeyboardInterrupt from a subscriber, leaves no request holding blocks outside both).
-        for seq in list(self.running):
+        for seq in order:
+            if self.ring and batch:
+                break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted for an earlier request
             if not seq.prefilled:  # mixed: a prompt still being chunked; its blocks are all there
@@ -361,6 +380,8 @@ class Scheduler:
                 bm.may_append(seq)
                 batch.add(seq, 1, prefill=False)
                 budget = None if budget is None else budget - 1
+                if self.ring:
+                    self._next_turn = self.running.index(seq) + 1
         return budget, preempted
 
     def _note_waiting(self, reasons: dict[Sequence, str]) -> None:

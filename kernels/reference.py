@@ -144,6 +144,47 @@ def decode_attention_ref(
     return out
 
 
+def partial_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    k_len: int,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part of a chunk's attention (``kernels.ring_attention``): ``q [Q, H, D]`` over the first
+    ``k_len`` keys in the slots ``block_table``, the mask aligned to the end when ``causal``, none
+    otherwise. Returns the float32 output ``[Q, H, D]`` and log-sum-exp ``[Q, H]`` (natural log)."""
+    q_len, num_heads, _ = q.shape
+    k = _gather_kv(k_cache, block_table, k_len).float()
+    v = _gather_kv(v_cache, block_table, k_len).float()
+    group = num_heads // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [H, Q, D]
+    kf = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, K]
+    if causal:
+        q_pos = torch.arange(k_len - q_len, k_len, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(k_len, device=q.device)[None, :] > q_pos, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Q]
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    return out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()
+
+
+def merge_attention_ref(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor,
+                        lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the part ``(o2, lse2)`` into ``(o, lse)`` in place: exact attention over both parts'
+    keys, by the log-sum-exp of each (outputs ``[Q, H, D]``, log-sum-exp ``[Q, H]``)."""
+    merged = torch.logaddexp(lse, lse2)
+    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+    w1 = torch.exp(lse - safe).unsqueeze(-1)
+    w2 = torch.exp(lse2 - safe).unsqueeze(-1)
+    o.copy_((o.float() * w1 + o2.float() * w2).to(o.dtype))
+    lse.copy_(merged)
+    return o, lse
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU over a packed ``[gate | up]`` last dimension, computed in float32 and rounded once."""
     gate, up = x.float().chunk(2, dim=-1)

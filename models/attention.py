@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import decode_attention_ref, norm_rope_store_ref, prefill_attention_ref
+from kernels.reference import (
+    decode_attention_ref,
+    merge_attention_ref,
+    norm_rope_store_ref,
+    partial_attention_ref,
+    prefill_attention_ref,
+)
 from models.context import get_context
 from models.layernorm import RMSNorm
 
@@ -31,19 +37,27 @@ PrefillFn = Callable[
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # NormRopeStoreFn's arguments, then (context_lens, block_tables, scale) -> out
 DecodeFromQkvFn = Callable[..., torch.Tensor]
+# (q, k_cache, v_cache, block_table, k_len, scale, causal) -> (out, lse): one part of a chunk's attention
+PartialFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, bool],
+                     tuple[torch.Tensor, torch.Tensor]]
+# (out, lse, part_out, part_lse) -> (out, lse): the part folded into the running result, in place
+MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """Three kernels with the signatures of ``kernels.reference``; ``name`` is reported in events.
+    """Kernels with the signatures of ``kernels.reference``; ``name`` is reported in events.
 
     ``decode_from_qkv``, when a backend has one, does a decode step's ``norm_rope_store`` and
-    ``decode`` in one call (one kernel fewer per layer) and must give their results."""
+    ``decode`` in one call (one kernel fewer per layer) and must give their results. ``partial`` and
+    ``merge`` are attention in parts, for CPU-offload mode's ring (``kernels.ring_attention``)."""
 
     name: str
     norm_rope_store: NormRopeStoreFn
     prefill: PrefillFn
     decode: DecodeFn
+    partial: PartialFn
+    merge: MergeFn
     decode_from_qkv: DecodeFromQkvFn | None = None
 
 
@@ -52,6 +66,8 @@ TORCH_BACKEND = AttentionBackend(
     norm_rope_store=norm_rope_store_ref,
     prefill=prefill_attention_ref,
     decode=decode_attention_ref,
+    partial=partial_attention_ref,
+    merge=merge_attention_ref,
 )
 
 
@@ -70,10 +86,13 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.backend = TORCH_BACKEND
         self.k_cache = self.v_cache = torch.tensor([])
+        self.layer_index = -1  # set with the cache views: the ring keeps per-layer state
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         context = get_context()
+        if context.ring is not None:  # CPU-offload mode: the K/V streams through the GPU ring
+            return context.ring.forward_layer(self, qkv, positions, q_norm, k_norm, cos_sin_cache)
         cached = self.k_cache.numel() > 0
         if cached and not context.is_prefill and self.backend.decode_from_qkv is not None:
             out = self.backend.decode_from_qkv(

@@ -14,6 +14,7 @@ from models.context import get_context
 def triton_backend() -> AttentionBackend:
     from kernels.norm_rope_store import norm_rope_store
     from kernels.paged_attention import decode_attention, decode_attention_from_qkv, prefill_attention
+    from kernels.ring_attention import merge_attention_, partial_attention
 
     def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
         return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale,
@@ -24,6 +25,7 @@ def triton_backend() -> AttentionBackend:
         return decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale)
 
     return AttentionBackend(name="triton", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode,
+                            partial=partial_attention, merge=merge_attention_,
                             decode_from_qkv=decode_attention_from_qkv)
 
 
@@ -34,6 +36,7 @@ def flash_attn_backend() -> AttentionBackend:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
     from kernels.norm_rope_store import norm_rope_store
+    from kernels.ring_attention import merge_attention_, partial_attention
 
     def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
         context = get_context()
@@ -46,7 +49,8 @@ def flash_attn_backend() -> AttentionBackend:
                                       block_table=block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
 
-    return AttentionBackend(name="flash-attn", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode)
+    return AttentionBackend(name="flash-attn", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode,
+                            partial=partial_attention, merge=merge_attention_)
 
 
 def cuda_backend(block_size: int) -> AttentionBackend:

@@ -7,8 +7,16 @@ threaded through every ``nn.Module.forward`` signature (vLLM's ForwardContext, i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+
+class RingForward(Protocol):
+    """CPU-offload mode's ring (``engine.offload_engine.OffloadEngine``): it runs each attention layer."""
+
+    def forward_layer(self, attention: Any, qkv: torch.Tensor, positions: torch.Tensor, q_norm: Any, k_norm: Any,
+                      cos_sin_cache: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -25,6 +33,8 @@ class Context:
     context_lens: torch.Tensor | None = None
     # [num_seqs, max_blocks_per_seq] physical block ids, padded with -1.
     block_tables: torch.Tensor | None = None
+    # CPU-offload mode: the step's K/V streams through this ring, which runs each attention layer.
+    ring: RingForward | None = None
 
 
 _CONTEXT = Context()

@@ -8,8 +8,9 @@ touch (or its birth), and the gaps between its last four touches, as vLLM's coll
 
 glassbox's events tell a fresh allocation from a hit without asking the engine: a block allocated
 while free and no longer a cache entry (``block_evict`` came first, or it never was one) holds new
-data; one allocated while in use, or while still a cache entry, was a hit. Only the GPU pool's
-blocks count (``medium == "GPU"``), as in vLLM.
+data; one allocated while in use, or while still a cache entry, was a hit. Only the prefix cache's
+blocks count: the GPU pool's (``medium == "GPU"``), as in vLLM, or in CPU-offload mode the host
+pool's, where every block lives.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class KVResidency:
         self._on_eviction = on_eviction
         self._random = random.Random(seed)
         self._enabled = True
+        self._medium = "GPU"  # the prefix cache's blocks: host memory's in CPU-offload mode
         self._refcounts: list[int] = []
         self._cached: list[bool] = []
         self._lives: dict[int, _Life] = {}
@@ -57,12 +59,14 @@ class KVResidency:
     def started(self, e: EngineStarted) -> None:
         # vLLM records these only with prefix caching on: without it no block is ever touched.
         self._enabled = e.enable_prefix_caching
-        self._refcounts = [0] * e.num_blocks
-        self._cached = [False] * e.num_blocks
+        self._medium = "CPU" if e.enable_cpu_offload else "GPU"
+        num_blocks = e.num_cpu_blocks if e.enable_cpu_offload else e.num_blocks
+        self._refcounts = [0] * num_blocks
+        self._cached = [False] * num_blocks
         self._lives.clear()
 
     def alloc(self, e: BlockAlloc) -> None:
-        if not self._enabled or e.medium != "GPU":
+        if not self._enabled or e.medium != self._medium:
             return
         for block_id, refcount in zip(e.block_ids, e.refcounts):
             if not 0 <= block_id < len(self._refcounts):
@@ -76,21 +80,21 @@ class KVResidency:
             self._refcounts[block_id] = refcount
 
     def free(self, e: BlockFree) -> None:
-        if e.medium != "GPU":
+        if e.medium != self._medium:
             return
         for block_id, refcount in zip(e.block_ids, e.refcounts):
             if 0 <= block_id < len(self._refcounts):
                 self._refcounts[block_id] = refcount
 
     def stored(self, e: BlockStored) -> None:
-        if e.medium != "GPU":
+        if e.medium != self._medium:
             return
         for block_id in e.block_ids:
             if 0 <= block_id < len(self._cached):
                 self._cached[block_id] = True
 
     def evicted(self, e: BlockEvict) -> None:
-        if e.medium == "GPU" and 0 <= e.block_id < len(self._cached):
+        if e.medium == self._medium and 0 <= e.block_id < len(self._cached):
             self._cached[e.block_id] = False
 
     def _reused(self, block_id: int, t: float) -> None:

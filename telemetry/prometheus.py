@@ -47,6 +47,7 @@ from engine.events import (
     RequestArrived,
     RequestFinished,
     RequestRejected,
+    RingStep,
     Schedule,
     Step,
     SwapIn,
@@ -57,6 +58,7 @@ from telemetry.intervals import RequestIntervals
 from telemetry.kv_residency import DEFAULT_SAMPLE, RESIDENCY_BUCKETS, Eviction, KVResidency
 from telemetry.metrics_server import MetricsServer, PortInUseError  # noqa: F401  (re-exported: callers catch it here)
 from telemetry.offload_metrics import OffloadMetrics
+from telemetry.ring_metrics import RingMetrics
 
 # Bucket boundaries exactly as vLLM's loggers.py (docs/architecture.md §5).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -127,7 +129,8 @@ def cache_config_labels(e: EngineStarted, engine: str) -> dict[str, str]:
     """``vllm:cache_config_info``'s labels for this engine: glassbox's value where it has the
     setting (K/V in the model's dtype is vLLM's ``auto``; blocks are hashed with xxhash), vLLM's
     default where it has nothing of the kind."""
-    kv_tokens = e.num_blocks * e.block_size
+    # The blocks a context can hold: the GPU pool's, or in CPU-offload mode the host pool's.
+    kv_tokens = (e.num_cpu_blocks if e.enable_cpu_offload else e.num_blocks) * e.block_size
     values = {**_CACHE_CONFIG_DEFAULTS,
               "block_size": e.block_size, "user_specified_block_size": True, "_block_size_resolved": True,
               "gpu_memory_utilization": e.gpu_memory_utilization, "enable_prefix_caching": e.enable_prefix_caching,
@@ -241,6 +244,8 @@ class PrometheusExporter(Consumer):
         self._num_blocks: int | None = None
         self._config_metrics_ready = False
         self.offload: OffloadMetrics | None = None  # made when the engine announces a host tier
+        self.ring: RingMetrics | None = None  # made when the engine announces CPU-offload mode
+        self._cache_medium = "GPU"  # where the prefix cache's blocks live: host memory in CPU-offload mode
         self._create_metrics()
         self.residency = self._create_residency_metrics(kv_cache_metrics_sample) if kv_cache_metrics else None
         self.registry.register(_QueueStatsCollector(model_name, engine))
@@ -254,6 +259,7 @@ class PrometheusExporter(Consumer):
             HostHit: self._on_host_hit,
             SwapIn: self._on_swap_in,
             KVTransfer: self._on_transfer,
+            RingStep: self._on_ring_step,
             BlockStored: self._on_block_stored,
             BlockEvict: self._on_block_evict,
             Schedule: self._on_schedule,
@@ -488,12 +494,22 @@ class PrometheusExporter(Consumer):
         self.cache_config.labels(**cache_config_labels(e, self.engine)).set(1)
         if self.residency is not None:
             self.residency.started(e)
-        if e.num_cpu_blocks and self.offload is None:
-            self.offload = OffloadMetrics(self.registry, dict(zip(LABELS, (self.model_name, self.engine))), e)
-        self._num_blocks = e.num_blocks
+        labels = dict(zip(LABELS, (self.model_name, self.engine)))
+        if e.enable_cpu_offload:
+            if self.ring is None:
+                self.ring = RingMetrics(self.registry, labels)
+        elif e.num_cpu_blocks and self.offload is None:
+            self.offload = OffloadMetrics(self.registry, labels, e)
+        # In CPU-offload mode every block lives in host memory: that pool is the KV cache.
+        self._cache_medium = "CPU" if e.enable_cpu_offload else "GPU"
+        self._num_blocks = e.num_cpu_blocks if e.enable_cpu_offload else e.num_blocks
         self._requests.clear()
         self._step_tokens = 0
-        self._set_gauges(0, 0, e.num_blocks)
+        self._set_gauges(0, 0, self._num_blocks)
+
+    def _on_ring_step(self, e: RingStep) -> None:
+        if self.ring is not None:
+            self.ring.step(e)
 
     def _on_arrived(self, e: RequestArrived) -> None:
         self._requests[e.request_id] = _Request(e.arrival, e.prompt_tokens, e.max_tokens)
@@ -534,7 +550,7 @@ class PrometheusExporter(Consumer):
             self.offload.transfer(e)
 
     def _on_block_stored(self, e: BlockStored) -> None:
-        if e.medium != "GPU":
+        if e.medium != self._cache_medium:
             if self.offload is not None:
                 self.offload.block_stored(e)
             return
@@ -543,7 +559,7 @@ class PrometheusExporter(Consumer):
             self.residency.stored(e)
 
     def _on_block_evict(self, e: BlockEvict) -> None:
-        if e.medium != "GPU":
+        if e.medium != self._cache_medium:
             if self.offload is not None:
                 self.offload.block_evict(e)
             return

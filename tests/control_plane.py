@@ -152,14 +152,16 @@ class FakeEngine:
         self.config = config = Config(**defaults)
         if config.host_tier_enabled and config.kv_offloading_staging_blocks == -1:
             config.kv_offloading_staging_blocks = 8
-        # The pretend K/V: per GPU block, the token each slot's K/V was computed from.
-        self.kv: list[list[int | None]] = [[None] * config.kvcache_block_size for _ in range(config.num_kvcache_blocks)]
         self.events: list[Event] = []
         self.bus = EventBus()
         self.bus.subscribe(self.events.append)
         self.scheduler = Scheduler(config, self.bus)
+        # The pretend K/V: per block of the block manager (the GPU pool's, or host memory's in
+        # CPU-offload mode), the token each slot's K/V was computed from.
+        self.kv: list[list[int | None]] = [[None] * config.kvcache_block_size
+                                           for _ in range(self.scheduler.block_manager.num_blocks)]
         self.offload = None
-        if config.num_host_kvcache_blocks > 0:
+        if config.host_tier_enabled:
             self.offload = FakeOffload(self, config.num_host_kvcache_blocks, transfer_delay)
         self.finished: list[Sequence] = []
         self.all_seqs: list[Sequence] = []
@@ -176,7 +178,8 @@ class FakeEngine:
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
             gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
-            kv_offloading_size=None, kv_offloading_policy=config.kv_offloading_policy,
+            kv_offloading_size=None, enable_cpu_offload=config.enable_cpu_offload,
+            kv_offloading_policy=config.kv_offloading_policy,
             preemption_mode=config.preemption_mode, batching=config.batching,
             scheduling_policy=config.scheduling_policy, wall_time=time.time())
         # Model-runner mimicry: decode CUDA graphs on a (pretend) CUDA device unless eager.

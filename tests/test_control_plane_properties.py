@@ -44,13 +44,19 @@ requests = st.lists(
     batching=st.sampled_from(["prefill-first", "mixed"]),
     scheduling=st.sampled_from(["fcfs", "priority", "lpm"]),
     threshold=st.sampled_from([0, 0, 8, 24]),
+    ring=st.sampled_from([False, False, False, True]),
 )
 def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, max_num_seqs, prefix_caching,
                                           eos, seed, overlap, host_blocks, policy, swap, staging, transfer_delay,
-                                          aborts, batching, scheduling, threshold):
+                                          aborts, batching, scheduling, threshold, ring):
     # overlap: each step is postprocessed after the next one is scheduled and launched.
     tier = {}
-    if host_blocks:
+    if ring:
+        # CPU-offload mode: the block manager's blocks are host memory's (num_blocks of them), one
+        # request per step, steps synchronous; it takes no second tier, swap or mixed batches.
+        tier = dict(enable_cpu_offload=True, num_host_kvcache_blocks=num_blocks)
+        overlap, batching = False, "prefill-first"
+    elif host_blocks:
         tier = dict(num_host_kvcache_blocks=host_blocks, kv_offloading_policy=policy,
                     kv_offloading_staging_blocks=staging, preemption_mode="swap" if swap else "recompute")
     engine = FakeEngine(overlap=overlap, transfer_delay=transfer_delay, kvcache_block_size=block_size,
@@ -80,6 +86,9 @@ def test_random_workloads_keep_invariants(reqs, block_size, num_blocks, budget, 
         seqs, _ = engine.step()
         steps += 1
         check_invariants(engine)
+        if ring:
+            last = engine.of_kind("schedule")
+            assert not last or len(last[-1].request_ids) == 1, "the ring computes one request per step"
         if not seqs:
             # An empty step must have had a reason: a step to collect, a copy to wait for, or a request
             # that gave way to itself (it comes back next step, when its in-flight token has landed).

@@ -38,20 +38,36 @@ def test_each_kind_is_named_once_as_a_class_attribute():
         assert names[:2] == ["t", "step"] and "kind" not in names, kind
 
 
-def test_every_kind_of_a_real_run_survives_json_and_back():
-    # Without a tier and with one: host hits after recompute, swap-outs and swap-ins after a swap.
+@pytest.fixture(scope="module")
+def ring_events(tiny_checkpoint) -> list:
+    """A real engine in CPU-offload mode: its ring_transfer and ring_step events."""
+    from engine.llm_engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_checkpoint), device="cpu", kvcache_block_size=16, num_kvcache_blocks=3,
+              num_host_kvcache_blocks=16, max_model_len=256, enable_cpu_offload=True)
+    events = []
+    llm.events.subscribe(events.append)
+    llm.generate(prompt(40), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    return [e for e in events if e.kind.startswith("ring_")]
+
+
+def test_every_kind_of_a_real_run_survives_json_and_back(ring_events):
+    # Without a tier and with one: host hits after recompute, swap-outs and swap-ins after a swap;
+    # and CPU-offload mode's ring.
     events = (workload_events(overlap=False) + workload_events(overlap=True, **HOST_TIER)
-              + workload_events(preemption_mode="swap", **HOST_TIER) + [mid_run_snapshot(**HOST_TIER)])
+              + workload_events(preemption_mode="swap", **HOST_TIER) + [mid_run_snapshot(**HOST_TIER)]
+              + ring_events)
     assert {e.kind for e in events} == set(EVENT_TYPES)  # the round trip below covers every kind
     for event in events:
         data = json.loads(json.dumps(event_to_dict(event)))
         assert data["kind"] == event.kind and event_from_dict(data) == event
 
 
-def test_every_kind_of_a_real_run_crosses_the_wire_unchanged():
+def test_every_kind_of_a_real_run_crosses_the_wire_unchanged(ring_events):
     """The wire form an engine in another process sends (engine/core.py): msgpack of the packed list."""
     events = (workload_events(overlap=True, **HOST_TIER) + workload_events(preemption_mode="swap", **HOST_TIER)
-              + [mid_run_snapshot(**HOST_TIER)])
+              + [mid_run_snapshot(**HOST_TIER)] + ring_events)
     assert {e.kind for e in events} == set(EVENT_TYPES)
     received = unpack_events(msgspec.msgpack.decode(msgspec.msgpack.encode(pack_events(events))))
     assert received == events

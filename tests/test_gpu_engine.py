@@ -139,3 +139,26 @@ def test_mixed_batching_matches_transformers_through_prefill_and_decode_in_one_s
     counts = check_against_reference(model_dir, prompts, outputs)
     assert counts["exempt"] <= 0.05 * counts["checked"]
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
+
+
+@pytest.mark.parametrize("preset,block_size,slots", [("tiny", 16, 4), ("qwen3-0.6b", 256, 3)])
+def test_cpu_offload_mode_matches_transformers_through_the_ring(preset, block_size, slots):
+    """Seed 004's CPU-primary KV on the GPU: every block in pinned host memory, a ring of a few slots,
+    copies on a side stream that attention waits for layer by layer, parts merged by log-sum-exp."""
+    model_dir = ensure_checkpoint(preset)
+    llm = LLM(str(model_dir), kvcache_block_size=block_size, max_model_len=2048, num_kvcache_blocks=slots,
+              num_host_kvcache_blocks=64, enable_cpu_offload=True)
+    events = []
+    llm.events.subscribe(events.append)
+    prompts = prompts_for(llm.model_config.vocab_size, [7, 100, 333, 600, 1000, 31], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    rings = [e for e in events if e.kind == "ring_step"]
+    assert sum(e.loaded_bytes for e in rings) > 0 and any(e.phase == "decode" and e.context_tokens > 600 for e in rings)
+    assert all(e.load_s >= 0 and 0 <= e.wait_s for e in rings)
+    counts = check_against_reference(model_dir, prompts, outputs)
+    assert counts["exempt"] <= 0.05 * counts["checked"]
+    assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]

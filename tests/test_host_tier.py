@@ -18,7 +18,7 @@ from engine.config import Config, ConfigError
 from engine.events import EventBus
 from engine import kv_transfer
 from engine.host_tier import HostTier, TransferResult, TransferSpec
-from engine.kv_transfer import OffloadingHandler, _runs
+from engine.kv_transfer import OffloadingHandler, runs
 from engine.llm_engine import LLM
 from engine.options import add_engine_args, parse_checked
 from engine.sampling_params import SamplingParams
@@ -141,8 +141,8 @@ def test_a_swapped_request_aborted_before_its_store_lands_frees_the_blocks_when_
 # --- the copies ---------------------------------------------------------------------------------------
 
 def test_runs_group_consecutive_ids():
-    assert _runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
-    assert _runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
+    assert runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
 
 
 def test_blocks_stored_and_loaded_back_are_bit_identical(monkeypatch):

@@ -32,12 +32,21 @@ from engine.events import (
     Step,
     Tokens,
 )
-from experiments import chunked_prefill, common, continuous_batching, kv_offload, preemption, prefix_cache, scheduling
+from experiments import (
+    chunked_prefill,
+    common,
+    continuous_batching,
+    kv_offload,
+    long_context,
+    preemption,
+    prefix_cache,
+    scheduling,
+)
 from telemetry.recorder import EventRecorder
 from tests.control_plane import workload_events
 
 REPO = Path(__file__).resolve().parents[1]
-LABS = [prefix_cache, chunked_prefill, preemption, continuous_batching, kv_offload, scheduling]
+LABS = [prefix_cache, chunked_prefill, preemption, continuous_batching, kv_offload, scheduling, long_context]
 
 
 @pytest.fixture(autouse=True)

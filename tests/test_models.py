@@ -263,7 +263,8 @@ def test_attention_backend_is_used_by_every_layer(model: Qwen3ForCausalLM) -> No
         return decode_attention_ref(*args)  # type: ignore[arg-type]
 
     layers = model.config.num_hidden_layers
-    set_attention_backend(model, AttentionBackend("recording", store, prefill, decode))
+    set_attention_backend(model, AttentionBackend("recording", store, prefill, decode, TORCH_BACKEND.partial,
+                                                  TORCH_BACKEND.merge))
     try:
         runner = PagedRunner(model)
         runner.prefill({0: [1, 2, 3]})
@@ -292,7 +293,8 @@ def test_triton_backend_matches_torch_backend(model: Qwen3ForCausalLM) -> None:
     prompts = {0: [rng.randrange(VOCAB_LIMIT) for _ in range(21)], 1: [rng.randrange(VOCAB_LIMIT) for _ in range(14)]}
     logits = {}
     for name, chosen in (("torch", TORCH_BACKEND), ("triton", AttentionBackend(
-            "triton", backend.norm_rope_store, backend.prefill, backend.decode, decode_from_qkv))):
+            "triton", backend.norm_rope_store, backend.prefill, backend.decode, backend.partial, backend.merge,
+            decode_from_qkv))):
         set_attention_backend(model, chosen)
         try:
             runner = PagedRunner(model)

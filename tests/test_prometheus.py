@@ -317,6 +317,41 @@ def test_the_host_tier_is_counted_as_vllm_counts_a_kv_connector(exporter, mode):
     assert info["num_cpu_blocks"] == str(HOST_TIER["num_host_kvcache_blocks"]) and info["kv_offloading_size"] == "None"
 
 
+def test_cpu_offload_mode_exports_its_ring_and_counts_the_host_pool_as_the_cache(exporter, tiny_checkpoint):
+    """A real engine in CPU-offload mode: the ring's series add up its ring_step events, the prefix
+    cache's counters count the host pool's blocks (where every block lives), and there is no host
+    tier to export."""
+    from engine.llm_engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_checkpoint), device="cpu", kvcache_block_size=16, num_kvcache_blocks=3,
+              num_host_kvcache_blocks=40, max_model_len=MAX_MODEL_LEN, enable_cpu_offload=True)
+    events = []
+    llm.events.subscribe(events.append)
+    prompt = [(i * 37) % 4000 for i in range(70)]
+    llm.generate([prompt, prompt[:50]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    feed(exporter, events)
+    fam = scrape(exporter.url)
+    check_contract(fam, MODEL, MAX_MODEL_LEN)
+    steps = [e for e in events if e.kind == "ring_step"]
+    assert value(fam, "glassbox:ring_bytes_total", direction="CPU_to_GPU") == sum(e.loaded_bytes for e in steps) > 0
+    assert value(fam, "glassbox:ring_bytes_total", direction="GPU_to_CPU") == sum(e.offloaded_bytes for e in steps)
+    assert value(fam, "glassbox:ring_transfer_seconds_total", direction="CPU_to_GPU") == pytest.approx(
+        sum(e.load_s for e in steps))
+    assert value(fam, "glassbox:ring_wait_seconds_total") == pytest.approx(sum(e.wait_s for e in steps))
+    assert value(fam, "glassbox:ring_merges_total") == sum(e.merges for e in steps) > 0
+    assert value(fam, "glassbox:ring_hidden_ratio") == pytest.approx(0.0, abs=1e-9)  # CPU copies block
+    stored = [e for e in events if e.kind == "block_stored"]
+    assert stored and all(e.medium == "CPU" for e in stored)
+    assert value(fam, "glassbox:blocks_stored_total") == sum(len(e.block_ids) for e in stored)
+    assert value(fam, "vllm:prefix_cache_hits_total") > 0  # the second prompt's blocks, from host memory
+    last = [e for e in events if e.kind == "step"][-1]
+    assert value(fam, "vllm:kv_cache_usage_perc") == 1 - last.free_blocks / 40
+    assert not [name for name in fam if name.startswith(("vllm:kv_offload", "glassbox:host", "glassbox:swap"))]
+    info = fam["vllm:cache_config_info"].samples[0].labels
+    assert (info["num_gpu_blocks"], info["num_cpu_blocks"], info["kv_cache_size_tokens"]) == ("3", "40", str(40 * 16))
+
+
 def test_intervals_follow_vllm_definitions(exporter, events):
     feed(exporter, events)
     fam = scrape(exporter.url)

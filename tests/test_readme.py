@@ -56,7 +56,8 @@ def test_the_readme_serving_snippet_talks_to_the_server(tiny_checkpoint, tmp_pat
     assert "<|filler_" in result.stdout  # both answers printed: random weights speak in filler tokens
 
 
-@pytest.mark.parametrize("heading", ["A second KV tier in host memory", "Scheduling: batching rules and queue policies"])
+@pytest.mark.parametrize("heading", ["A second KV tier in host memory", "Contexts larger than the GPU: CPU-offload mode",
+                                     "Scheduling: batching rules and queue policies"])
 def test_a_readme_section_snippet_prints_what_the_readme_says(heading, tiny_checkpoint, tmp_path):
     section = (REPO / "README.md").read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
     snippet, = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)

@@ -242,6 +242,43 @@ def test_a_mixed_step_stacks_its_decode_tokens_under_its_prefill_chunks():
     run(go())
 
 
+@pytest.mark.parametrize("size", [(80, 24), (140, 44)])
+def test_cpu_offload_mode_shows_the_ring_and_the_host_pool(tiny_checkpoint, size):
+    """A real engine in CPU-offload mode, replayed: the header says so, the block map is host
+    memory's pool, the ring's slots show the last step (a decode: D then its load slots), and the
+    layer rows draw that step's copies and attention."""
+    from engine.llm_engine import LLM
+    from engine.sampling_params import SamplingParams
+    from tui.widgets.ring import RingLayers, RingSlots
+
+    llm = LLM(str(tiny_checkpoint), device="cpu", kvcache_block_size=16, num_kvcache_blocks=5,
+              num_host_kvcache_blocks=40, max_model_len=256, enable_cpu_offload=True)
+    events = []
+    llm.events.subscribe(events.append)
+    llm.generate([[(i * 13) % 4000 for i in range(120)]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+
+    async def go():
+        app = DashboardApp(ScriptedSource(events))
+        async with app.run_test(size=size) as pilot:
+            await _settle(pilot)
+            assert "cpu-offload · ring 5" in screen(app)[0]
+            panel = app.query_one("#kv")
+            assert str(panel.border_title).startswith("host KV blocks  40 × 16 tok")
+            state = app.state
+            assert state.ring and state.num_blocks == 40 and sum(r > 0 for r in state.refcounts) == 0
+            assert any(state.cached), "the prompt's blocks stay cached in host memory"
+            slots = app.query_one(RingSlots).render().plain
+            assert slots == "D◆◆◆◆"  # the last step: a decode, its 8 earlier blocks through 4 load slots
+            layers = app.query_one(RingLayers)
+            drawn = layers.render().plain
+            assert "▀" in drawn and "▄" in drawn  # copies and attention, one row per layer group
+            assert len(state.ring_layers) == llm.model_config.num_hidden_layers
+            assert all(layer.loads for layer in state.ring_layers)
+            assert "ring 5 slots" in str(app.query_one("#ring-stats").render())
+
+    run(go())
+
+
 @pytest.mark.parametrize("size", [(180, 48), (200, 50)])
 def test_a_large_terminal_keeps_everything(size):
     async def go():

@@ -31,6 +31,8 @@ from engine.events import (
     RequestArrived,
     RequestFinished,
     RequestRejected,
+    RingStep,
+    RingTransfer,
     Schedule,
     Snapshot,
     Step,
@@ -124,6 +126,15 @@ class FeedEntry:
 
 
 @dataclass(slots=True)
+class RingLayer:
+    """One layer of CPU-offload mode's last ring step: when its loads ran and when its attention
+    did (device seconds from the step's start)."""
+
+    loads: list[tuple[float, float]]
+    attention: tuple[float, float]
+
+
+@dataclass(slots=True)
 class _StepDraft:
     chunks: int = 0
     preemptions: int = 0
@@ -175,6 +186,17 @@ class DashboardState:
         self.num_swaps = 0
         self.bytes_stored = 0
         self.bytes_loaded = 0
+        # --- CPU-offload mode: the block maps above hold host memory's blocks (every block lives
+        # there); the GPU ring's slots, as the last ring step left them, and that step per layer
+        self.cache_medium = "GPU"  # where the block manager's blocks live: "CPU" in CPU-offload mode
+        self.ring_slot_blocks: list[int] = []  # per slot, the host block it held last (-1: none)
+        self.ring_roles: list[str] = []  # per slot in the last ring step: write, decode, load or ""
+        self.ring_layers: list[RingLayer] = []
+        self.ring_span_s = 0.0  # the last ring step's device time, its copies included
+        self.ring_request: int | None = None
+        self.ring_load_s = 0.0
+        self.ring_wait_s = 0.0
+        self._ring_loads: dict[int, list[tuple[int, float, float]]] = {}  # step -> (layer, start, end)
         # --- steps and throughput
         self.timeline: deque[StepRecord] = deque(maxlen=TIMELINE_STEPS)
         self._draft: dict[int, _StepDraft] = {}
@@ -258,6 +280,16 @@ class DashboardState:
         """Whether a copy between the tiers landed in this block within the last few steps."""
         at = self.moved_at.get((medium, block_id))
         return at is not None and self.last_step - at < MOVE_FLASH_STEPS
+
+    @property
+    def ring(self) -> bool:
+        """CPU-offload mode: every block in host memory, a GPU ring of slots."""
+        return self.engine is not None and self.engine.enable_cpu_offload
+
+    @property
+    def ring_hidden(self) -> float | None:
+        """Share of the ring's load time hidden behind compute, since the start."""
+        return 1.0 - min(self.ring_wait_s, self.ring_load_s) / self.ring_load_s if self.ring_load_s else None
 
     @property
     def host_usage(self) -> float:
@@ -365,10 +397,15 @@ class DashboardState:
     def _on_engine_started(self, e: EngineStarted) -> None:
         self.engine = e
         self.start_t = e.t
-        self.refcounts = [0] * e.num_blocks
-        self.cached = [False] * e.num_blocks
-        self.cpu_refcounts = [0] * e.num_cpu_blocks
-        self.cpu_cached = [False] * e.num_cpu_blocks
+        # In CPU-offload mode the block manager's blocks are host memory's, and there is no host tier.
+        self.cache_medium = "CPU" if e.enable_cpu_offload else "GPU"
+        cache_blocks, tier_blocks = (e.num_cpu_blocks, 0) if e.enable_cpu_offload else (e.num_blocks, e.num_cpu_blocks)
+        self.refcounts = [0] * cache_blocks
+        self.cached = [False] * cache_blocks
+        self.cpu_refcounts = [0] * tier_blocks
+        self.cpu_cached = [False] * tier_blocks
+        self.ring_slot_blocks = [-1] * e.num_blocks if e.enable_cpu_offload else []
+        self.ring_roles = [""] * len(self.ring_slot_blocks)
 
     def _on_snapshot(self, e: Snapshot) -> None:
         """A running engine's state, for a dashboard that joined it late: every live request and
@@ -408,7 +445,7 @@ class DashboardState:
             self._post(FeedEntry(e.step, "hit", f"hit #{e.request_id} {e.hit_tokens}/{e.query_tokens} tok cached"))
 
     def _set_refcounts(self, block_ids: tuple[int, ...], refcounts: tuple[int, ...], medium: str) -> None:
-        pool = self.refcounts if medium == "GPU" else self.cpu_refcounts
+        pool = self.refcounts if medium == self.cache_medium else self.cpu_refcounts
         for block_id, ref in zip(block_ids, refcounts):
             if 0 <= block_id < len(pool):
                 pool[block_id] = ref
@@ -420,13 +457,13 @@ class DashboardState:
         self._set_refcounts(e.block_ids, e.refcounts, e.medium)
 
     def _on_block_stored(self, e: BlockStored) -> None:
-        cached = self.cached if e.medium == "GPU" else self.cpu_cached
+        cached = self.cached if e.medium == self.cache_medium else self.cpu_cached
         for block_id in e.block_ids:
             if 0 <= block_id < len(cached):
                 cached[block_id] = True
 
     def _on_block_evict(self, e: BlockEvict) -> None:
-        if e.medium != "GPU":
+        if e.medium != self.cache_medium:
             self._on_host_evict(e)
             return
         if 0 <= e.block_id < len(self.cached):
@@ -495,6 +532,37 @@ class DashboardState:
         self.moved_at.update(dict.fromkeys((("CPU", b) for b in e.cpu_block_ids), e.step))
         self.bytes_stored += e.num_bytes
         draft.stored_blocks += n
+
+    def _on_ring_transfer(self, e: RingTransfer) -> None:
+        if e.direction == "CPU_to_GPU":
+            self._ring_loads.setdefault(e.step, []).append((e.layer, e.start_s, e.end_s))
+
+    def _on_ring_step(self, e: RingStep) -> None:
+        loads = self._ring_loads.pop(e.step, [])
+        for stale in [s for s in self._ring_loads if s < e.step]:
+            del self._ring_loads[stale]
+        by_layer: list[list[tuple[float, float]]] = [[] for _ in e.layer_attention_start_s]
+        for layer, start, end in loads:
+            if 0 <= layer < len(by_layer):
+                by_layer[layer].append((start, end))
+        self.ring_layers = [RingLayer(spans, attention) for spans, attention in
+                            zip(by_layer, zip(e.layer_attention_start_s, e.layer_attention_end_s))]
+        self.ring_span_s = max([e.compute_s, *(end for _, _, end in loads)])
+        self.ring_slot_blocks = list(e.slot_blocks)
+        roles = [""] * len(e.slot_blocks)
+        for slot in e.load_slots:
+            roles[slot] = "load" if e.context_tokens else ""
+        for slot in e.write_slots:
+            roles[slot] = "decode" if e.phase == "decode" else "write"
+        self.ring_roles = roles
+        self.ring_request = e.request_id
+        self.ring_load_s += e.load_s
+        self.ring_wait_s += e.wait_s
+        self.bytes_loaded += e.loaded_bytes
+        self.bytes_stored += e.offloaded_bytes
+        draft = self._draft_for(e.step)  # the timeline's ↓ (the context streamed in) and ↑ (its new K/V)
+        draft.loaded_blocks += -(-e.context_tokens // self.engine.block_size) if self.engine else 0
+        draft.stored_blocks += len(e.write_slots)
 
     def _on_waiting(self, e: Waiting) -> None:
         for request_id, reason in zip(e.request_ids, e.reasons):
@@ -613,6 +681,8 @@ _HANDLERS = {
     HostHit: DashboardState._on_host_hit,
     SwapIn: DashboardState._on_swap_in,
     KVTransfer: DashboardState._on_transfer,
+    RingTransfer: DashboardState._on_ring_transfer,
+    RingStep: DashboardState._on_ring_step,
     BlockAlloc: DashboardState._on_block_alloc,
     BlockFree: DashboardState._on_block_free,
     BlockStored: DashboardState._on_block_stored,

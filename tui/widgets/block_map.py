@@ -8,6 +8,9 @@ whole life cycle.
 With a host tier its pool is drawn under the GPU's: □ a landed copy of a cached block, ■ a swapped-out
 request's K/V, and in both pools ◆ where a copy between them is under way or has just landed, so a
 conversation's blocks can be watched going down to the host and coming back.
+
+In CPU-offload mode the map is host memory's pool, where every block lives, and above it the GPU
+ring its blocks stream through (``tui.widgets.ring``): the slots, and the last step layer by layer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from textual.widgets import Static
 from tui import format as fmt
 from tui import palette
 from tui.state import BlockState, DashboardState, HostBlockState
+from tui.widgets.ring import LEGEND as RING_LEGEND
+from tui.widgets.ring import RingLayers, RingSlots, ring_stats
 
 GLYPHS = {BlockState.FREE: ("·", palette.FREE), BlockState.CACHED: ("□", f"bold {palette.CACHED}"),
           BlockState.USED: ("■", palette.USED), BlockState.SHARED: ("■", f"bold {palette.SHARED}")}
@@ -113,6 +118,10 @@ class BlockMapPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="kv-stats")
+        # Shown in CPU-offload mode: the GPU ring above host memory's pool.
+        yield Static(id="ring-stats")
+        yield RingSlots(id="ring-slots")
+        yield RingLayers(id="ring-layers")
         yield BlockGrid("GPU", id="gpu-blocks")
         # Shown once the engine announces a host tier.
         yield Static(id="host-stats")
@@ -130,9 +139,19 @@ class BlockMapPanel(Vertical):
         engine = state.engine
         size = f"{state.num_blocks} × {engine.block_size} tok" if engine else ""
         group = grid.blocks_per_cell()
-        self.border_title = f"KV blocks  {size}" + (f" · {group}/cell" if group > 1 else "")
+        where = "host KV blocks" if state.ring else "KV blocks"
+        self.border_title = f"{where}  {size}" + (f" · {group}/cell" if group > 1 else "")
         room = self.outer_size.width - fmt.TITLE_INSET
         self.border_subtitle = LEGEND if room >= LEGEND_WIDTH else LEGEND_NARROW
+        for part in ("#ring-stats", "#ring-slots", "#ring-layers"):
+            self.query_one(part).display = state.ring
+        if state.ring:
+            stats = self.query_one("#ring-stats", Static)
+            stats.update(ring_stats(state, max(1, stats.size.width or room)))
+            self.query_one(RingSlots).show(state)
+            self.query_one(RingLayers).show(state)
+            if room >= LEGEND_WIDTH + len(" W write D decode ◆ load  ▀copy ▄attention"):
+                self.border_subtitle = f"{self.border_subtitle} {RING_LEGEND}"
         tier = state.num_cpu_blocks > 0
         for part in ("#host-stats", "#host-blocks"):
             self.query_one(part).display = tier

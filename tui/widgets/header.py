@@ -40,6 +40,8 @@ def header_parts(state: DashboardState, status: str, now: float | None) -> list[
         parts.append((0, details))
         # The scheduler's two choices (engine/scheduling_policy.py): how a step is filled, and in what order.
         parts.append((2, _field("", f"{engine.batching} · {engine.scheduling_policy}")))
+        if engine.enable_cpu_offload:
+            parts.append((5, _field("", f"cpu-offload · ring {engine.num_blocks}", f"bold {palette.MOVED}")))
     # Rates at the last event's time while events flow (the live source hands them to the UI in
     # rations up to MAX_HOLD_S apart, and the wall clock would count the held ones as missing); at
     # the wall clock once nothing has come for longer, so that an idle engine reads zero.

@@ -5,7 +5,7 @@ a 256-token prefill); colour is the phase. A mixed step (vLLM V1's batching) sta
 tokens under its prefill chunks, each part at least one row when the bar has two. The bottom row marks what else happened in the step:
 P a preemption, c a chunked-prefill chunk, g a CUDA-graph replay. With a host tier a row above it
 shows the copies between the tiers that landed in the step, beside the compute: ↑ blocks stored to
-the host, ↓ loaded back, ↕ both.
+the host, ↓ loaded back, ↕ both (in CPU-offload mode: the context streamed in, the new K/V written out).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class StepTimeline(Widget):
         self._state = state
         mixed = state.engine is not None and state.engine.batching == "mixed"
         self.border_subtitle = (LEGEND.format(mixed=MIXED_LEGEND if mixed else "")
-                                + (HOST_LEGEND if state.num_cpu_blocks else ""))
+                                + (HOST_LEGEND if state.num_cpu_blocks or state.ring else ""))
         if state.timeline:
             last = state.timeline[-1]
             tokens = (f"{last.prefill_tokens}+{last.decode_tokens}" if last.phase == "mixed"
@@ -86,7 +86,7 @@ class StepTimeline(Widget):
         width, height = max(1, self.size.width), max(2, self.size.height)
         state = self._state
         records = list(state.timeline)[-width:] if state is not None else []
-        transfers = state is not None and state.num_cpu_blocks > 0 and height > 2
+        transfers = state is not None and (state.num_cpu_blocks > 0 or state.ring) and height > 2
         bar_rows = height - 1 - transfers
         levels = bar_rows * ROW_LEVELS
         # A fixed scale (the step's token budget) keeps a decode step short next to a full prefill

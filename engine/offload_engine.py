@@ -1,0 +1,294 @@
+"""CPU-primary KV (seed 004's ``enable_cpu_offload``): every KV block lives in host memory, and the GPU
+keeps only a ring of block-sized slots that the KV streams through, so that one GPU serves contexts
+far larger than its KV memory (the seed's ``OffloadEngine``).
+
+A step computes one request's tokens (the scheduler runs one request per step in this mode):
+
+- a prefill chunk writes its K/V to ``w`` consecutive slots, the *write window*, which moves on by
+  ``w`` slots chunk after chunk (seed 004: chunk K in slot K % N); the other slots, in ring order
+  after the window, are the *load slots*;
+- a decode writes its token's K/V to the *decode slot* (slot 0) and loads through slots 1..N-1:
+  running requests take turns (one token a step each), and the slot never outlives a step, so
+  several requests share it without swapping anything.
+
+Attention, layer by layer, is done in parts merged by log-sum-exp (``kernels.ring_attention``): the
+chunk over its own tokens (causal), then the request's earlier blocks, a *group* at a time. A group
+is one layer's K/V of up to half the load slots (double buffering: one half is attended while the
+other fills; with one load slot, single buffering). The groups of every layer form one stream:
+groups 0 and 1 are copied in when the step begins, and group ``i + 2`` as soon as group ``i``'s
+attention releases its half, so copies run ahead of attention across layer boundaries; on the GPU
+each group's attention waits only for its own copy event (per slot half and layer). After the
+forward the chunk's K/V goes down to its host blocks, and the step lands when that copy has, so the
+next step's loads read it (this mode schedules synchronously).
+
+Every block is loaded whole, once per layer per step: the bytes a step moves are its earlier blocks
+times the block size, the figure the lab checks. Each copy and each wait is timed (CUDA events on
+the GPU, the host clock on the CPU, where copies are synchronous and hide nothing) and published as
+``ring_transfer`` and ``ring_step`` events once the step has landed.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.events import EventBus, RingStep, RingTransfer
+from engine.kv_transfer import runs
+from engine.sequence import Sequence
+
+DECODE_SLOT = 0
+
+
+def chunk_limit(num_slots: int, block_size: int, max_num_batched_tokens: int) -> int:
+    """The most tokens one prefill chunk takes: the budget, and at most every slot but two (one when
+    the ring has two), so that the load slots can double-buffer. Block-aligned when it can be, so that
+    chunks start on block boundaries."""
+    window = max(1, num_slots - 2) * block_size
+    limit = min(max_num_batched_tokens, window)
+    return limit // block_size * block_size if limit >= block_size else limit
+
+
+@dataclass(slots=True)
+class _Group:
+    layer: int
+    half: int  # which half of the load slots it is copied into
+    cpu_block_ids: list[int]
+    num_tokens: int  # keys in those blocks (a decode's last earlier block may be partial)
+    # Measurements: markers (CUDA events, or host clock readings on the CPU).
+    copy_start: object = None
+    copy_end: object = None
+    wait_start: object = None
+    wait_end: object = None
+
+
+@dataclass(slots=True)
+class _Step:
+    seq_id: int
+    phase: str
+    start: int  # the first position computed
+    num_tokens: int
+    write_slots: list[int]
+    load_slots: list[int]
+    halves: list[list[int]]
+    earlier_block_ids: list[int]
+    earlier_tokens: int
+    groups: list[_Group]
+    by_layer: list[list[int]]  # group indices of each layer
+    offloads: list[tuple[int, int, int]]  # (first ring token, first host token, tokens): contiguous in both
+    cpu_block_ids: list[int]  # per write slot, the host block its first token goes to
+    slot_mapping: torch.Tensor | None = None
+    tables: torch.Tensor | None = None  # rows: the write window, then each half of the load slots
+    began: object = None
+    offload_start: object = None
+    offload_end: object = None
+    forward_end: object = None
+    layer_marks: list[tuple[object, object]] = field(default_factory=list)
+    issued: int = 0  # groups whose copies were issued
+    merges: int = 0
+
+
+class OffloadEngine:
+    """The ring (``ring``: ``[2, layers, slots, block_size, kv_heads, head_dim]`` on the device) and the
+    host pool (``host``: the same layout with ``cpu_blocks``, pinned on CUDA), and one step at a time
+    through them. ``forward_layer`` is what each attention layer calls (``models.context.Context.ring``)."""
+
+    def __init__(self, ring: torch.Tensor, host: torch.Tensor, events: EventBus) -> None:
+        self.ring = ring
+        self.host = host
+        self.events = events
+        self.num_layers, self.num_slots, self.block_size = ring.shape[1], ring.shape[2], ring.shape[3]
+        self.cuda = ring.device.type == "cuda"
+        # Flat token views: a run of consecutive slots (or host blocks) is one contiguous region.
+        self._ring_tokens = ring.view(2, self.num_layers, -1, *ring.shape[4:])
+        self._host_tokens = host.view(2, self.num_layers, -1, *host.shape[4:])
+        self.token_bytes = ring[:, :, 0, 0].numel() * ring.element_size()  # one token, every layer, K and V
+        self.layer_block_bytes = 2 * ring[0, 0, 0].numel() * ring.element_size()  # one layer of one block, K and V
+        self.copy_stream = torch.cuda.Stream(ring.device) if self.cuda else None
+        self._cursor = 0  # where the next prefill chunk's write window starts
+        self._released: list[object] = [None, None]  # per half: the attention that last read it
+        self.step: _Step | None = None
+        self.slot_blocks = [-1] * self.num_slots  # the host block each slot held last
+
+    # --- planning -------------------------------------------------------------------------------
+
+    def plan(self, seq: Sequence, phase: str) -> _Step:
+        """Slots, groups and copies for ``seq``'s scheduled tokens (a chunk, or one decode token)."""
+        bs, n = self.block_size, seq.num_scheduled_tokens
+        start = seq.num_cached_tokens if phase == "prefill" else seq.num_tokens - 1
+        if phase == "prefill":
+            w = -(-n // bs)
+            write = [(self._cursor + j) % self.num_slots for j in range(w)]
+            self._cursor = (self._cursor + w) % self.num_slots
+            load = [(write[-1] + 1 + j) % self.num_slots for j in range(self.num_slots - w)]
+        else:
+            write = [DECODE_SLOT]
+            load = [s for s in range(self.num_slots) if s != DECODE_SLOT]
+        half = len(load) // 2
+        halves = [load[:half], load[half:2 * half]] if half else [load]
+        earlier_blocks = -(-start // bs)
+        earlier = seq.block_table[:earlier_blocks]
+        groups, by_layer = [], []
+        size = len(halves[0])
+        for layer in range(self.num_layers):
+            by_layer.append([])
+            for first in range(0, earlier_blocks, size):
+                ids = earlier[first:first + size]
+                by_layer[-1].append(len(groups))
+                groups.append(_Group(layer, len(groups) % len(halves), ids, min(start - first * bs, len(ids) * bs)))
+        # Chunk token j sits at ring token write[j // bs] * bs + j % bs and belongs at host token
+        # table[(start + j) // bs] * bs + (start + j) % bs.
+        j = np.arange(n)
+        ring_pos = np.asarray(write)[j // bs] * bs + j % bs
+        host_pos = np.asarray(seq.block_table)[(start + j) // bs] * bs + (start + j) % bs
+        offloads = runs(ring_pos.tolist(), host_pos.tolist())
+        written = [seq.block_table[(start + k * bs) // bs] for k in range(len(write))]
+        step = _Step(seq.seq_id, phase, start, n, write, load, halves, earlier, start, groups, by_layer, offloads,
+                     written)
+        device = self.ring.device
+        step.slot_mapping = torch.from_numpy(ring_pos.astype(np.int64))
+        width = max(len(write), size, 1)
+        tables = np.full((1 + len(halves), width), -1, dtype=np.int32)
+        for row, slots in enumerate([write, *halves]):
+            tables[row, :len(slots)] = slots
+        step.tables = torch.from_numpy(tables)
+        if self.cuda:
+            step.slot_mapping = step.slot_mapping.pin_memory().to(device, non_blocking=True)
+            step.tables = step.tables.pin_memory().to(device, non_blocking=True)
+        return step
+
+    # --- the step on the device ----------------------------------------------------------------
+
+    def _mark(self, stream: torch.cuda.Stream | None = None) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def begin(self, step: _Step) -> None:
+        """Start the step: its first groups' copies go out before the forward begins."""
+        self.step = step
+        step.began = self._mark()
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())  # the previous step is done with the slots
+        step.layer_marks = [(None, None)] * self.num_layers
+        for _ in range(min(len(step.halves), len(step.groups))):
+            self._issue()
+
+    def _issue(self) -> None:
+        """Copy the next group's blocks (one layer of each) into its half of the load slots."""
+        step = self.step
+        index = step.issued
+        step.issued += 1
+        group = step.groups[index]
+        slots = step.halves[group.half][:len(group.cpu_block_ids)]
+        stream = self.copy_stream
+        if self.cuda:
+            released = self._released[group.half]
+            if released is not None:
+                stream.wait_event(released)  # the half's last attention has read it
+        group.copy_start = self._mark(stream)
+        with torch.cuda.stream(stream) if self.cuda else nullcontext():
+            for cpu0, slot0, length in runs(group.cpu_block_ids, slots):
+                for kv in (0, 1):
+                    self.ring[kv, group.layer, slot0:slot0 + length].copy_(
+                        self.host[kv, group.layer, cpu0:cpu0 + length], non_blocking=True)
+        group.copy_end = self._mark(stream)
+        for slot, block in zip(slots, group.cpu_block_ids):
+            self.slot_blocks[slot] = block
+
+    def forward_layer(self, attention, qkv: torch.Tensor, positions: torch.Tensor, q_norm, k_norm,
+                      cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """One attention layer of the step (called by ``models.attention.Attention``): store the new
+        K/V in the write window, attend to it, then to each group of earlier blocks as it lands."""
+        step, backend, layer = self.step, attention.backend, attention.layer_index
+        k_cache, v_cache = attention.k_cache, attention.v_cache
+        n = step.num_tokens
+        q = backend.norm_rope_store(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
+                                    k_cache, v_cache, step.slot_mapping)
+        q = q.view(n, attention.num_heads, attention.head_dim)
+        began = self._mark()
+        out, lse = backend.partial(q, k_cache, v_cache, step.tables[0], n, attention.scale, True)
+        for index in step.by_layer[layer]:
+            group = step.groups[index]
+            group.wait_start = self._mark()
+            if self.cuda:
+                torch.cuda.current_stream().wait_event(group.copy_end)
+            group.wait_end = self._mark()
+            part, part_lse = backend.partial(q, k_cache, v_cache, step.tables[1 + group.half], group.num_tokens,
+                                             attention.scale, False)
+            backend.merge(out, lse, part, part_lse)
+            step.merges += 1
+            self._released[group.half] = self._mark()
+            if step.issued < len(step.groups):
+                self._issue()
+        step.layer_marks[layer] = (began, self._mark())
+        return out.to(q.dtype).reshape(n, attention.num_heads * attention.head_dim)
+
+    def end(self) -> object:
+        """After the forward (and the sampler, on the current stream): copy the computed K/V down to
+        the host blocks. Returns what the step's landing waits for (a CUDA event; None on the CPU)."""
+        step = self.step
+        step.forward_end = self._mark()
+        stream = self.copy_stream
+        if self.cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+        step.offload_start = self._mark(stream)
+        with torch.cuda.stream(stream) if self.cuda else nullcontext():
+            # One copy per layer and K/V: each is contiguous on both sides (a strided copy across
+            # layers would go through a host-side temporary and block).
+            for ring0, host0, length in step.offloads:
+                for kv in (0, 1):
+                    for layer in range(self.num_layers):
+                        self._host_tokens[kv, layer, host0:host0 + length].copy_(
+                            self._ring_tokens[kv, layer, ring0:ring0 + length], non_blocking=True)
+        step.offload_end = self._mark(stream)
+        for slot, block in zip(step.write_slots, step.cpu_block_ids):
+            self.slot_blocks[slot] = block
+        return step.offload_end if self.cuda else None
+
+    # --- after the step landed -------------------------------------------------------------------
+
+    def _seconds(self, a: object, b: object) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def landed(self) -> None:
+        """The step's copies have all completed: publish what it moved and when."""
+        step, self.step = self.step, None
+        self._released = [None, None]
+        if step is None or not self.events.active:
+            return
+        began, seconds, events = step.began, self._seconds, self.events
+        load_s = wait_s = 0.0
+        for group in step.groups:
+            copy_s = seconds(group.copy_start, group.copy_end)
+            # On the CPU a copy is done when issued: attention waited for all of it.
+            waited = seconds(group.wait_start, group.wait_end) if self.cuda else copy_s
+            load_s += copy_s
+            wait_s += waited
+            events.emit(RingTransfer, request_id=step.seq_id, direction="CPU_to_GPU", layer=group.layer,
+                        slots=tuple(step.halves[group.half][:len(group.cpu_block_ids)]),
+                        cpu_block_ids=tuple(group.cpu_block_ids),
+                        num_bytes=len(group.cpu_block_ids) * self.layer_block_bytes,
+                        start_s=seconds(began, group.copy_start), end_s=seconds(began, group.copy_end),
+                        waited_s=waited)
+        offload_s = seconds(step.offload_start, step.offload_end)
+        offloaded = step.num_tokens * self.token_bytes
+        events.emit(RingTransfer, request_id=step.seq_id, direction="GPU_to_CPU", layer=-1,
+                    slots=tuple(step.write_slots), cpu_block_ids=tuple(step.cpu_block_ids), num_bytes=offloaded,
+                    start_s=seconds(began, step.offload_start), end_s=seconds(began, step.offload_end), waited_s=0.0)
+        events.emit(RingStep, request_id=step.seq_id, phase=step.phase, num_tokens=step.num_tokens,
+                    context_tokens=step.earlier_tokens, write_slots=tuple(step.write_slots),
+                    load_slots=tuple(step.load_slots), slot_blocks=tuple(self.slot_blocks),
+                    loaded_bytes=sum(len(g.cpu_block_ids) for g in step.groups) * self.layer_block_bytes,
+                    offloaded_bytes=offloaded, load_s=load_s, wait_s=wait_s, offload_s=offload_s,
+                    compute_s=seconds(began, step.forward_end), merges=step.merges,
+                    layer_attention_start_s=tuple(seconds(began, a) for a, _ in step.layer_marks),
+                    layer_attention_end_s=tuple(seconds(began, b) for _, b in step.layer_marks))
+

@@ -1,0 +1,162 @@
+"""CPU-primary KV (seed 004's enable_cpu_offload): does one GPU serve a context several times larger
+than its KV memory, and how does the ring pipeline move it?
+
+refused    the ordinary engine with a GPU pool of R blocks and a prompt of about four times that:
+           refused up front, with the error that says why.
+ring       the same prompt with the mode on and a ring of R slots: prefilled chunk by chunk through
+           the ring, then decoded; every step's loads, waits and merges recorded.
+reference  the ordinary engine on a pool large enough for the prompt: the tokens the ring must give.
+
+The table is the pipeline per step (the decode steps summed into one row): tokens computed, the
+earlier context streamed in, bytes each way, the copy engine's time, how long attention waited,
+the share of the load time hidden behind compute. On the CPU copies are synchronous (nothing is
+hidden), so the overlap verdict is the GPU's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python experiments/long_context.py` from a plain checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from engine.events import RingStep, RingTransfer, Schedule, Tokens  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import RequestRejectedError  # noqa: E402
+from experiments import common  # noqa: E402
+
+LAB = "long_context"
+ENGINE_DEFAULTS = dict(block_size=16, max_num_seqs=4, max_model_len=4096)
+# GPU only: the share of a prefill's load time the pipeline must hide behind compute.
+PREFILL_HIDDEN_TARGET = 0.5
+
+
+def tokens_of(rec: common.Recording) -> list[int]:
+    return [t for e in rec.events if type(e) is Tokens for t in e.token_ids]
+
+
+def pipeline_rows(rec: common.Recording) -> list[dict]:
+    """Per ring step from its ``ring_step`` event: the prefill chunks one by one, the decode steps
+    summed into one row."""
+    prefill, decode = [], []
+    for e in rec.events:
+        if type(e) is RingStep:
+            row = {"step": str(e.step), "phase": e.phase, "tokens": e.num_tokens, "context_tokens": e.context_tokens,
+                   "loaded_MiB": e.loaded_bytes / 2**20, "offloaded_MiB": e.offloaded_bytes / 2**20,
+                   "load_ms": 1e3 * e.load_s, "wait_ms": 1e3 * e.wait_s, "step_ms": 1e3 * e.compute_s,
+                   "merges": e.merges}
+            (prefill if e.phase == "prefill" else decode).append(row)
+    rows = list(prefill)
+    if decode:
+        summed = {k: sum(r[k] for r in decode) for k in ("tokens", "loaded_MiB", "offloaded_MiB", "load_ms",
+                                                           "wait_ms", "step_ms", "merges")}
+        rows.append({"step": f"{decode[0]['step']}-{decode[-1]['step']}", "phase": f"decode x{len(decode)}",
+                     **summed, "context_tokens": decode[-1]["context_tokens"]})
+    for row in rows:
+        row["hidden"] = 1 - min(row["wait_ms"], row["load_ms"]) / row["load_ms"] if row["load_ms"] else None
+    return rows
+
+
+def moved_what_it_needed(rec: common.Recording) -> tuple[int, int]:
+    """(steps whose bytes match the blocks they needed, ring steps): a step loads every earlier block
+    whole, once per layer, and writes back what it computed."""
+    block = rec.block_size
+    steps = [e for e in rec.events if type(e) is RingStep]
+    token_bytes = steps[0].offloaded_bytes // steps[0].num_tokens
+    good = sum(e.offloaded_bytes == e.num_tokens * token_bytes
+               and e.loaded_bytes == math.ceil(e.context_tokens / block) * block * token_bytes for e in steps)
+    return good, len(steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.make_parser(LAB, __doc__, **ENGINE_DEFAULTS)
+    parser.add_argument("--ring-slots", type=int, help="the GPU ring (the ordinary engine's pool in the refused arm); "
+                                                       "default: 6; without --quick 36 (1 GiB of 0.6B blocks of 256)")
+    parser.add_argument("--prompt-tokens", type=int, help="default: four rings' worth; without --quick 32768")
+    parser.add_argument("--max-tokens", type=int, help="tokens decoded (default: 8; without --quick 64)")
+    args = common.parse_args(parser, argv)
+    slots = args.ring_slots or (6 if args.quick else 36)
+    prompt_tokens = args.prompt_tokens or (4 * slots * args.block_size if args.quick else 32768)
+    max_tokens = args.max_tokens or (8 if args.quick else 64)
+    blocks_needed = -(-(prompt_tokens + max_tokens) // args.block_size)
+    context = max(args.max_model_len, prompt_tokens + max_tokens)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    refusal = None
+    plain = common.build_engine(args, num_blocks=slots, max_model_len=context, enable_cpu_offload=False)
+    rng = random.Random(args.seed)
+    prompt = common.random_prompt(rng, prompt_tokens, plain.model_config.vocab_size)
+    try:
+        plain.add_request(prompt, sampling)
+    except RequestRejectedError as exc:
+        refusal = str(exc)
+    plain.close()
+
+    ring_engine = common.build_engine(args, num_blocks=slots, max_model_len=context, enable_cpu_offload=True,
+                                      num_host_kvcache_blocks=max(args.num_host_kvcache_blocks, blocks_needed + 2),
+                                      kv_offloading_size=0.0)
+    request = common.request(prompt, max_tokens, "long")
+    ring = common.run_recorded(ring_engine, [request], args.out, "ring")
+    ring_engine.close()
+    reference_engine = common.build_engine(args, num_blocks=blocks_needed + 2, max_model_len=context,
+                                           enable_cpu_offload=False, num_host_kvcache_blocks=0, kv_offloading_size=0.0)
+    reference = common.run_recorded(reference_engine, [request], args.out, "reference")
+    reference_engine.close()
+
+    rows = pipeline_rows(ring)
+    good, total = moved_what_it_needed(ring)
+    steps = [e for e in ring.events if type(e) is RingStep]
+    on_gpu = ring.engine.get("device", "cpu").startswith("cuda")
+    chunks = [e for e in steps if e.phase == "prefill"]
+    loading = [e for e in chunks if e.load_s > 0]
+    prefill_hidden = (1 - sum(min(e.wait_s, e.load_s) for e in loading) / sum(e.load_s for e in loading)
+                      if loading else None)
+    alone = all(len(e.request_ids) == 1 for e in ring.events if type(e) is Schedule)
+    got, want = tokens_of(ring), tokens_of(reference)
+    checks = [
+        common.Check(f"the ordinary engine refuses a {prompt_tokens}-token prompt with a {slots}-block pool",
+                     refusal or "accepted it", refusal is not None and f"the whole pool has {slots}" in refusal),
+        common.Check("with the mode on, the ring serves it and its greedy tokens equal the ordinary engine's on "
+                     "a pool large enough for both",
+                     f"{sum(a == b for a, b in zip(got, want))}/{len(want)} tokens equal", got == want and len(got) == max_tokens),
+        common.Check("bytes moved match the blocks the pipeline needed (every earlier block once per layer in, "
+                     "the computed tokens out)", f"{good}/{total} steps", good == total > 0),
+        common.Check("the prompt streamed through the ring in chunks that leave it load slots, one request "
+                     "per step", f"{len(chunks)} prefill chunks of at most {max(len(e.write_slots) for e in chunks)} "
+                                 f"slots of {slots}; {'one' if alone else 'SEVERAL'} request(s) per step",
+                     alone and len(chunks) > 1 and all(len(e.write_slots) < slots for e in steps)),
+    ]
+    if on_gpu:
+        checks.append(common.Check(f"prefill hides at least {PREFILL_HIDDEN_TARGET:.0%} of its load time behind compute",
+                                   common.fmt(prefill_hidden), prefill_hidden is not None
+                                   and prefill_hidden >= PREFILL_HIDDEN_TARGET))
+
+    fig, axes = common.new_figure(1, 2, f"CPU-offload mode: a {prompt_tokens}-token prompt through a {slots}-slot ring")
+    ax = axes[0][0]
+    numbers = list(range(1, len(steps) + 1))
+    ax.bar(numbers, [e.loaded_bytes / 2**20 for e in steps], color="tab:cyan", label="loaded (earlier blocks)")
+    ax.bar(numbers, [-e.offloaded_bytes / 2**20 for e in steps], color="tab:blue", label="offloaded (new K/V)")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set(title="bytes through the ring per step", xlabel="ring step", ylabel="MiB (down: written back)")
+    common.integer_ticks(ax.xaxis, ax.yaxis)
+    common.legend_outside(ax)
+    ax = axes[0][1]
+    last = steps[-1]
+    loads = [e for e in ring.events if type(e) is RingTransfer and e.step == last.step and e.direction == "CPU_to_GPU"]
+    for t in loads:
+        ax.plot([1e3 * t.start_s, 1e3 * t.end_s], [t.layer + 0.15] * 2, color="tab:cyan", lw=3,
+                label="load" if t is loads[0] else None)
+    for layer, (a, b) in enumerate(zip(last.layer_attention_start_s, last.layer_attention_end_s)):
+        ax.plot([1e3 * a, 1e3 * b], [layer - 0.15] * 2, color="tab:green", lw=3, label="attention" if layer == 0 else None)
+    ax.set(title=f"the last step ({last.phase}) per layer", xlabel="time from the step's start (ms, measured)",
+           ylabel="layer")
+    common.integer_ticks(ax.yaxis)
+    common.legend_outside(ax)
+    return common.report(args, {"pipeline": rows}, checks, [ring, reference], fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
