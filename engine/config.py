@@ -28,7 +28,7 @@ OFFLOADING_POLICIES = ("write-through", "write-back")
 BATCHING = ("prefill-first", "mixed")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
-_DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(slots=True)
@@ -99,8 +99,8 @@ class Config:
                  self.num_kvcache_blocks, "must be -1 (size from memory) or at least 1")
         _require(self.device is None or self.device.split(":")[0] in _DEVICES, "device", self.device,
                  f"must be None (auto) or one of {', '.join(_DEVICES)} (optionally 'cuda:N')")
-        _require(self.dtype is None or self.dtype in _DTYPES, "dtype", self.dtype,
-                 f"must be None (auto) or one of {', '.join(_DTYPES)}")
+        _require(self.dtype is None or self.dtype in DTYPES, "dtype", self.dtype,
+                 f"must be None (auto) or one of {', '.join(DTYPES)}")
         _require(self.kv_offloading_size >= 0, "kv_offloading_size", self.kv_offloading_size,
                  "must be a size in GiB, 0 for no host tier")
         _require(self.num_host_kvcache_blocks >= 0, "num_host_kvcache_blocks", self.num_host_kvcache_blocks,
@@ -143,5 +143,8 @@ class Config:
                  "host tier's store policies do not apply; leave it write-through")
         _require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
                  "enable_cpu_offload does not run with tensor parallelism yet: use one of them")
+        _require(self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 2, "num_kvcache_blocks",
+                 self.num_kvcache_blocks, "with enable_cpu_offload the GPU ring needs at least 2 slots: one to "
+                 "write the new tokens in, one to load earlier blocks through")
         # A step's new K/V must reach host memory before the next step's loads read it.
         self.async_scheduling = False

@@ -153,6 +153,9 @@ class EngineCoreProc:
         self.outputs = outputs
         self.paused = False
         self.stopping = False
+        # An event batch that could not be sent: the loop raises it (the bus would only log it,
+        # and a client would wait for tokens that never come).
+        self._send_error: BaseException | None = None
         self._decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._encoder = msgspec.msgpack.Encoder()
         self._handlers = {AddRequest: self._add, AbortRequest: self._abort, TakeSnapshot: self._snapshot,
@@ -162,7 +165,10 @@ class EngineCoreProc:
         self.outputs.send(self._encoder.encode(message), copy=False)
 
     def _send_events(self, events: list[Event]) -> None:
-        self.send(Events(pack_events(events)))
+        try:
+            self.send(Events(pack_events(events)))
+        except Exception as exc:
+            self._send_error = self._send_error or exc
 
     def run(self) -> None:
         """Serve until ``Shutdown``, a SIGTERM or an error; whatever is still in the engine is then
@@ -177,9 +183,10 @@ class EngineCoreProc:
         try:
             while not self.stopping:
                 self._take_commands(block=self.paused or llm.is_finished())
-                if self.stopping or self.paused or llm.is_finished():
-                    continue
-                llm.step()
+                if not (self.stopping or self.paused or llm.is_finished()):
+                    llm.step()
+                if self._send_error is not None:
+                    raise RuntimeError("the engine could not send its events to the server") from self._send_error
         except BaseException as exc:  # reported to the client, never swallowed
             error, trace = exc, traceback.format_exc()
             logger.exception("the engine loop stopped on an error")
@@ -227,10 +234,12 @@ class EngineCoreProc:
         self.stopping = True
 
     def _release(self, error: BaseException | None) -> None:
+        """End every request still in the engine: aborted at a shutdown, failed (``error``) when the
+        loop died, so that a client tells one from the other before the ``Failed`` that names why."""
         llm = self.llm
         scheduler = llm.scheduler
         for seq in [*scheduler.waiting, *scheduler.loading, *scheduler.running]:
-            llm.abort_request(seq.seq_id)
+            scheduler.abort(seq.seq_id, reason="abort" if error is None else "error")
         if error is None:
             llm.drain()  # nothing of it is wanted: only the engine is left clean
         else:

@@ -220,12 +220,19 @@ class ModelRunner:
                     f"{config.max_num_batched_tokens}) or max_model_len, or use a smaller block size")
             config.num_kvcache_blocks = num_blocks
         mc = self.model_config
-        self.kv_cache = torch.empty(2, mc.num_hidden_layers, config.num_kvcache_blocks, self.block_size,
-                                    self.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(attention_layers(self.model)):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
-            layer.layer_index = i
+        block = (self.block_size, self.num_kv_heads, mc.head_dim)
+        if config.enable_cpu_offload:
+            # The ring keeps each layer's K and V of a block side by side, as the host pool does, so
+            # that one copy moves a layer of a run of blocks.
+            self.kv_cache = torch.empty(mc.num_hidden_layers, config.num_kvcache_blocks, 2, *block, dtype=self.dtype,
+                                        device=self.device)
+            caches = [(self.kv_cache[i, :, 0], self.kv_cache[i, :, 1]) for i in range(mc.num_hidden_layers)]
+        else:
+            self.kv_cache = torch.empty(2, mc.num_hidden_layers, config.num_kvcache_blocks, *block, dtype=self.dtype,
+                                        device=self.device)
+            caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(attention_layers(self.model), caches)):
+            layer.k_cache, layer.v_cache, layer.layer_index = k_cache, v_cache, i
         if config.host_tier_enabled:
             self.offload = self._allocate_host_tier()
         if config.enable_cpu_offload:
@@ -241,6 +248,10 @@ class ModelRunner:
             per_request = -(-config.max_model_len // self.block_size)
             config.num_host_kvcache_blocks = max(per_request, min(config.max_num_seqs * per_request,
                                                                   DEFAULT_HOST_KV_BYTES // self.block_bytes))
+        if config.num_kvcache_blocks < 2:
+            raise ConfigError(f"the GPU ring has room for {config.num_kvcache_blocks} slot(s) of "
+                              f"{self.block_bytes / 2**20:.1f} MiB; CPU-offload mode needs 2: raise "
+                              "gpu_memory_utilization or use a smaller block size")
         host_bytes = config.num_host_kvcache_blocks * self.block_bytes
         what = f"the host KV pool ({config.num_host_kvcache_blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
         fix = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
@@ -250,14 +261,15 @@ class ModelRunner:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if host_bytes > physical:
             raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
+        host = torch.empty((self.kv_cache.shape[0], config.num_host_kvcache_blocks, *self.kv_cache.shape[2:]),
+                           dtype=self.dtype)
         try:
-            host = torch.empty((*self.kv_cache.shape[:2], config.num_host_kvcache_blocks, *self.kv_cache.shape[3:]),
-                               dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            ring = OffloadEngine(self.kv_cache, host, self.events)
         except RuntimeError as exc:  # pinned memory has limits of its own
-            raise ConfigError(f"{what} could not be allocated ({str(exc).splitlines()[0]}): {fix}") from exc
+            raise ConfigError(f"{what} could not be pinned ({str(exc).splitlines()[0]}): {fix}") from exc
         config.max_num_batched_tokens = chunk_limit(config.num_kvcache_blocks, self.block_size,
                                                     config.max_num_batched_tokens)
-        return OffloadEngine(self.kv_cache, host, self.events)
+        return ring
 
     def _allocate_host_tier(self) -> OffloadingHandler:
         config = self.config

@@ -21,6 +21,12 @@ each group's attention waits only for its own copy event (per slot half and laye
 forward the chunk's K/V goes down to its host blocks, and the step lands when that copy has, so the
 next step's loads read it (this mode schedules synchronously).
 
+Both pools keep a layer's K and V of a block side by side (``[layers, blocks, 2, block_size,
+kv_heads, head_dim]``), so a group's copy is one ``cudaMemcpyAsync`` per run of consecutive host
+blocks. The host pool is pinned by registering it with CUDA rather than allocating it from torch's
+pinned-memory cache, which would record and poll an event for every copy: a decode step makes
+hundreds, and the host issuing them is what bounds the step when the link is fast.
+
 Every block is loaded whole, once per layer per step: the bytes a step moves are its earlier blocks
 times the block size, the figure the lab checks. Each copy and each wait is timed (CUDA events on
 the GPU, the host clock on the CPU, where copies are synchronous and hide nothing) and published as
@@ -30,6 +36,7 @@ the GPU, the host clock on the CPU, where copies are synchronous and hide nothin
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -58,10 +65,12 @@ class _Group:
     half: int  # which half of the load slots it is copied into
     cpu_block_ids: list[int]
     num_tokens: int  # keys in those blocks (a decode's last earlier block may be partial)
-    # Measurements: markers (CUDA events, or host clock readings on the CPU).
+    # Measurements: markers (CUDA events, or host clock readings on the CPU). ``ready`` is when the
+    # compute stream reached the group (it had finished the work before it) and ``wait_end`` when its
+    # copy let it go on.
     copy_start: object = None
     copy_end: object = None
-    wait_start: object = None
+    ready: object = None
     wait_end: object = None
 
 
@@ -78,7 +87,9 @@ class _Step:
     earlier_tokens: int
     groups: list[_Group]
     by_layer: list[list[int]]  # group indices of each layer
-    offloads: list[tuple[int, int, int]]  # (first ring token, first host token, tokens): contiguous in both
+    # (slot, offset, host block, offset, tokens): whole blocks are runs of several (offsets 0, tokens
+    # a multiple of the block size), a partial block one.
+    offloads: list[tuple[int, int, int, int, int]]
     cpu_block_ids: list[int]  # per write slot, the host block its first token goes to
     slot_mapping: torch.Tensor | None = None
     tables: torch.Tensor | None = None  # rows: the write window, then each half of the load slots
@@ -89,25 +100,47 @@ class _Step:
     layer_marks: list[tuple[object, object]] = field(default_factory=list)
     issued: int = 0  # groups whose copies were issued
     merges: int = 0
+    # Each group's part of the attention, reused group after group (the merge reads it before the
+    # next part is written: one stream).
+    part: torch.Tensor | None = None
+    part_lse: torch.Tensor | None = None
+
+
+def _pin(host: torch.Tensor, owner: object) -> None:
+    """Page-lock ``host`` for asynchronous copies until ``owner`` is collected (the finalizer holds
+    ``host``, so it is unregistered before it can be freed)."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {cudart.cudaGetErrorString(error)}")
+    weakref.finalize(owner, lambda pinned: cudart.cudaHostUnregister(pinned.data_ptr()), host)
 
 
 class OffloadEngine:
-    """The ring (``ring``: ``[2, layers, slots, block_size, kv_heads, head_dim]`` on the device) and the
-    host pool (``host``: the same layout with ``cpu_blocks``, pinned on CUDA), and one step at a time
-    through them. ``forward_layer`` is what each attention layer calls (``models.context.Context.ring``)."""
+    """The ring (``ring``: ``[layers, slots, 2, block_size, kv_heads, head_dim]`` on the device) and the
+    host pool (``host``: the same layout with ``cpu_blocks``, in host memory; pinned here on CUDA), and
+    one step at a time through them. ``forward_layer`` is what each attention layer calls
+    (``models.context.Context.ring``)."""
 
     def __init__(self, ring: torch.Tensor, host: torch.Tensor, events: EventBus) -> None:
         self.ring = ring
         self.host = host
         self.events = events
-        self.num_layers, self.num_slots, self.block_size = ring.shape[1], ring.shape[2], ring.shape[3]
+        self.num_layers, self.num_slots, self.block_size = ring.shape[0], ring.shape[1], ring.shape[3]
         self.cuda = ring.device.type == "cuda"
-        # Flat token views: a run of consecutive slots (or host blocks) is one contiguous region.
-        self._ring_tokens = ring.view(2, self.num_layers, -1, *ring.shape[4:])
-        self._host_tokens = host.view(2, self.num_layers, -1, *host.shape[4:])
-        self.token_bytes = ring[:, :, 0, 0].numel() * ring.element_size()  # one token, every layer, K and V
-        self.layer_block_bytes = 2 * ring[0, 0, 0].numel() * ring.element_size()  # one layer of one block, K and V
+        if self.cuda:
+            _pin(host, self)
+        # One view per layer, made once: indexing on the hot path costs the host a few microseconds a view.
+        self._ring_layers = list(ring.unbind(0))
+        self._host_layers = list(host.unbind(0))
+        self.token_bytes = ring[:, 0, :, 0].numel() * ring.element_size()  # one token, every layer, K and V
+        self.layer_block_bytes = ring[0, 0].numel() * ring.element_size()  # one layer of one block, K and V
         self.copy_stream = torch.cuda.Stream(ring.device) if self.cuda else None
+        self._last_compute: object = None  # the latest marker on the compute stream
+        # Timing events, made once and recorded again step after step (a step lands, and is read,
+        # before the next begins): a new CUDA event costs the host more than recording one.
+        self._event_pool: list[torch.cuda.Event] = []
+        self._events_used = 0
         self._cursor = 0  # where the next prefill chunk's write window starts
         self._released: list[object] = [None, None]  # per half: the attention that last read it
         self.step: _Step | None = None
@@ -139,12 +172,21 @@ class OffloadEngine:
                 ids = earlier[first:first + size]
                 by_layer[-1].append(len(groups))
                 groups.append(_Group(layer, len(groups) % len(halves), ids, min(start - first * bs, len(ids) * bs)))
-        # Chunk token j sits at ring token write[j // bs] * bs + j % bs and belongs at host token
-        # table[(start + j) // bs] * bs + (start + j) % bs.
+        # Chunk token j sits in slot write[j // bs] at offset j % bs and belongs in host block
+        # table[(start + j) // bs] at offset (start + j) % bs.
         j = np.arange(n)
         ring_pos = np.asarray(write)[j // bs] * bs + j % bs
         host_pos = np.asarray(seq.block_table)[(start + j) // bs] * bs + (start + j) % bs
-        offloads = runs(ring_pos.tolist(), host_pos.tolist())
+        offloads = []
+        for ring0, host0, length in runs(ring_pos.tolist(), host_pos.tolist()):
+            while length:  # split where either side crosses a block boundary
+                piece = min(length, bs - ring0 % bs, bs - host0 % bs)
+                if ring0 % bs or host0 % bs or piece < bs:
+                    offloads.append((ring0 // bs, ring0 % bs, host0 // bs, host0 % bs, piece))
+                else:  # whole blocks: as many as the run holds
+                    piece = length // bs * bs
+                    offloads.append((ring0 // bs, 0, host0 // bs, 0, piece))
+                ring0, host0, length = ring0 + piece, host0 + piece, length - piece
         written = [seq.block_table[(start + k * bs) // bs] for k in range(len(write))]
         step = _Step(seq.seq_id, phase, start, n, write, load, halves, earlier, start, groups, by_layer, offloads,
                      written)
@@ -165,14 +207,22 @@ class OffloadEngine:
     def _mark(self, stream: torch.cuda.Stream | None = None) -> object:
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        if self._events_used == len(self._event_pool):
+            self._event_pool.append(torch.cuda.Event(enable_timing=True))
+        event = self._event_pool[self._events_used]
+        self._events_used += 1
         event.record(stream)
         return event
+
+    def _compute_mark(self) -> object:
+        self._last_compute = self._mark()
+        return self._last_compute
 
     def begin(self, step: _Step) -> None:
         """Start the step: its first groups' copies go out before the forward begins."""
         self.step = step
-        step.began = self._mark()
+        self._events_used = 0
+        step.began = self._compute_mark()
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream())  # the previous step is done with the slots
         step.layer_marks = [(None, None)] * self.num_layers
@@ -192,11 +242,10 @@ class OffloadEngine:
             if released is not None:
                 stream.wait_event(released)  # the half's last attention has read it
         group.copy_start = self._mark(stream)
+        ring, host = self._ring_layers[group.layer], self._host_layers[group.layer]
         with torch.cuda.stream(stream) if self.cuda else nullcontext():
             for cpu0, slot0, length in runs(group.cpu_block_ids, slots):
-                for kv in (0, 1):
-                    self.ring[kv, group.layer, slot0:slot0 + length].copy_(
-                        self.host[kv, group.layer, cpu0:cpu0 + length], non_blocking=True)
+                ring[slot0:slot0 + length].copy_(host[cpu0:cpu0 + length], non_blocking=True)
         group.copy_end = self._mark(stream)
         for slot, block in zip(slots, group.cpu_block_ids):
             self.slot_blocks[slot] = block
@@ -211,41 +260,49 @@ class OffloadEngine:
         q = backend.norm_rope_store(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
                                     k_cache, v_cache, step.slot_mapping)
         q = q.view(n, attention.num_heads, attention.head_dim)
-        began = self._mark()
+        began = self._compute_mark()
         out, lse = backend.partial(q, k_cache, v_cache, step.tables[0], n, attention.scale, True)
+        self._compute_mark()  # the first group's wait starts here
+        if step.part is None and step.groups:
+            step.part, step.part_lse = torch.empty_like(out), torch.empty_like(lse)
+        tables, scale = step.tables, attention.scale
         for index in step.by_layer[layer]:
             group = step.groups[index]
-            group.wait_start = self._mark()
+            group.ready = self._last_compute
             if self.cuda:
                 torch.cuda.current_stream().wait_event(group.copy_end)
             group.wait_end = self._mark()
-            part, part_lse = backend.partial(q, k_cache, v_cache, step.tables[1 + group.half], group.num_tokens,
-                                             attention.scale, False)
-            backend.merge(out, lse, part, part_lse)
+            backend.partial(q, k_cache, v_cache, tables[1 + group.half], group.num_tokens, scale, False,
+                            out=step.part, lse=step.part_lse)
+            backend.merge(out, lse, step.part, step.part_lse)
             step.merges += 1
-            self._released[group.half] = self._mark()
+            self._released[group.half] = self._compute_mark()
             if step.issued < len(step.groups):
                 self._issue()
-        step.layer_marks[layer] = (began, self._mark())
+        step.layer_marks[layer] = (began, self._compute_mark())
         return out.to(q.dtype).reshape(n, attention.num_heads * attention.head_dim)
 
     def end(self) -> object:
         """After the forward (and the sampler, on the current stream): copy the computed K/V down to
         the host blocks. Returns what the step's landing waits for (a CUDA event; None on the CPU)."""
         step = self.step
-        step.forward_end = self._mark()
+        step.forward_end = self._compute_mark()
         stream = self.copy_stream
         if self.cuda:
             stream.wait_stream(torch.cuda.current_stream())
         step.offload_start = self._mark(stream)
+        bs = self.block_size
         with torch.cuda.stream(stream) if self.cuda else nullcontext():
-            # One copy per layer and K/V: each is contiguous on both sides (a strided copy across
-            # layers would go through a host-side temporary and block).
-            for ring0, host0, length in step.offloads:
-                for kv in (0, 1):
-                    for layer in range(self.num_layers):
-                        self._host_tokens[kv, layer, host0:host0 + length].copy_(
-                            self._ring_tokens[kv, layer, ring0:ring0 + length], non_blocking=True)
+            # Per layer, contiguous on both sides: whole blocks K and V together, a partial block's
+            # tokens K and V apart (a strided copy would go through a host-side temporary and block).
+            for slot, offset, block, host_offset, length in step.offloads:
+                for ring, host in zip(self._ring_layers, self._host_layers):
+                    if offset == host_offset == 0 and length % bs == 0:
+                        host[block:block + length // bs].copy_(ring[slot:slot + length // bs], non_blocking=True)
+                        continue
+                    for kv in (0, 1):
+                        host[block, kv, host_offset:host_offset + length].copy_(
+                            ring[slot, kv, offset:offset + length], non_blocking=True)
         step.offload_end = self._mark(stream)
         for slot, block in zip(step.write_slots, step.cpu_block_ids):
             self.slot_blocks[slot] = block
@@ -269,7 +326,7 @@ class OffloadEngine:
         for group in step.groups:
             copy_s = seconds(group.copy_start, group.copy_end)
             # On the CPU a copy is done when issued: attention waited for all of it.
-            waited = seconds(group.wait_start, group.wait_end) if self.cuda else copy_s
+            waited = max(0.0, seconds(group.ready, group.wait_end)) if self.cuda else copy_s
             load_s += copy_s
             wait_s += waited
             events.emit(RingTransfer, request_id=step.seq_id, direction="CPU_to_GPU", layer=group.layer,

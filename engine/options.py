@@ -16,7 +16,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.config import BATCHING, OFFLOADING_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES, Config, ConfigError
+from engine.config import (
+    BATCHING,
+    DTYPES,
+    OFFLOADING_POLICIES,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    Config,
+    ConfigError,
+)
 from models.errors import CheckpointError
 
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
@@ -31,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
                         help="a random-weight checkpoint, made on first use under $GLASSBOX_CACHE "
                              "(default ~/.cache/glassbox/checkpoints/NAME) (default: %(default)s)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: CUDA when present, else CPU")
+    g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="weights and KV: auto is the checkpoint's on CUDA, float32 on the CPU (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seeds the checkpoint, the workload and sampling (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=256, help="KV block size in tokens, a power of two >= 16 (default: %(default)s)")
     g.add_argument("--num-blocks", type=int, default=-1, help="KV pool size in blocks; -1 sizes it from memory (default: %(default)s)")
@@ -180,7 +190,8 @@ def model_name(args: argparse.Namespace) -> str:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options as ``Config`` fields: what ``check_args`` validates is what ``build_llm`` builds."""
-    return dict(device=args.device, seed=args.seed, kvcache_block_size=args.block_size,
+    return dict(device=args.device, dtype=None if args.dtype == "auto" else args.dtype, seed=args.seed,
+                kvcache_block_size=args.block_size,
                 num_kvcache_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 max_waiting_requests=args.max_waiting_requests,

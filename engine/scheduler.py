@@ -144,7 +144,9 @@ class Scheduler:
             config.enable_prefix_caching, self.events,
             offload_policy=config.kv_offloading_policy if self.host_tier is not None else None,
             medium="CPU" if self.ring else "GPU")
-        self._next_turn = 0  # CPU-offload mode: the running request whose turn to decode comes next
+        # CPU-offload mode: the request that decoded last and where it stood in ``running`` (when it
+        # has finished, its successor stands there now and has the next turn).
+        self._last_turn: tuple[int, int] = (-1, 0)
         self.swap = config.preemption_mode == "swap"
         self.mixed = config.batching == "mixed"
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
@@ -350,7 +352,9 @@ class Scheduler:
         preempted = False
         order = list(self.running)
         if self.ring and order:  # one request decodes per step, each in turn
-            turn = self._next_turn % len(order)
+            last_id, last_index = self._last_turn
+            ids = [seq.seq_id for seq in order]
+            turn = (ids.index(last_id) + 1 if last_id in ids else last_index) % len(order)
             order = order[turn:] + order[:turn]
         # Every request stays in ``running`` or ``waiting`` throughout (an exception raised here, even
         # a KeyboardInterrupt from a subscriber, leaves no request holding blocks outside both).
@@ -381,7 +385,7 @@ class Scheduler:
                 batch.add(seq, 1, prefill=False)
                 budget = None if budget is None else budget - 1
                 if self.ring:
-                    self._next_turn = self.running.index(seq) + 1
+                    self._last_turn = (seq.seq_id, self.running.index(seq))
         return budget, preempted
 
     def _note_waiting(self, reasons: dict[Sequence, str]) -> None:

@@ -7,7 +7,7 @@ and decode speed against the host link's floor.
 Every block lives in pinned host memory, and a step streams each earlier block in, one layer at a
 time, through the ring (engine/offload_engine.py). A decode step can therefore take no less than
 the bytes it streams over the pinned host-to-device copy bandwidth: that is the floor, measured in
-the same run with copies of the size the ring issues (one layer's K or V of a group of blocks) and
+the same run with copies of the size the ring issues (one layer's K and V of a group of blocks) and
 with one large copy. Decode tok/s is reported against the floor's, and so is prefill (its chunks
 stream the earlier ones), with the share of the load time the pipeline hid behind compute and the
 per-step parts from the engine's ``ring_step`` events.
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
 
     config = load_qwen3_config(str(model_dir(args)))
     kv_heads, layers = config.num_key_value_heads, config.num_hidden_layers
-    itemsize = 2  # bf16 on the GPU
+    itemsize = 4 if args.dtype == "float32" else 2  # the checkpoint's bf16 otherwise
     block_bytes = 2 * layers * args.block_size * kv_heads * config.head_dim * itemsize
     slots = int(args.gpu_kv_gib * 2**30) // block_bytes
     host_blocks = -(-(args.prompt_tokens + args.decode_tokens) // args.block_size) + 2
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     ring = llm.model_runner.ring
     load_slots = slots - 1
     group_blocks = max(1, load_slots // 2)
-    unit = group_blocks * ring.layer_block_bytes // 2  # one layer's K (or V) of a group: what the ring copies
+    unit = group_blocks * ring.layer_block_bytes  # one layer's K and V of a group: what the ring copies
     progress(f"pinned copy bandwidth: units of {unit / 2**20:.1f} MiB and of 256 MiB")
     bandwidth = {"ring_unit": copy_bandwidth(unit), "256MiB": copy_bandwidth(2**28)}
     events = []
@@ -94,18 +94,33 @@ def run(args: argparse.Namespace) -> dict:
     floor_bw = bandwidth["ring_unit"]
     for phase in ("prefill", "decode"):
         mine = [e for e in rings if e.phase == phase]
+        if not mine:
+            continue
         seconds = sum(steps[e.step].duration_s for e in mine)
         tokens = sum(e.num_tokens for e in mine)
         loaded = sum(e.loaded_bytes for e in mine)
         floor_s = loaded / floor_bw
         load_s, wait_s = sum(e.load_s for e in mine), sum(e.wait_s for e in mine)
+        host = {part: 1e3 * statistics.mean(getattr(steps[e.step], part) for e in mine)
+                for part in ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")}
         out[phase] = {"steps": len(mine), "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                      "host_ms_per_step": host,
                       "GB_loaded": loaded / 1e9, "floor_s": floor_s,
                       "floor_tok_per_s": tokens / floor_s if floor_s else None,
                       "share_of_floor": floor_s / seconds if seconds else None,
                       "link_GBps": loaded / seconds / 1e9 if seconds else None,
                       "load_s": load_s, "wait_s": wait_s, "hidden": 1 - min(wait_s, load_s) / load_s if load_s else None,
-                      "device_step_ms_median": 1e3 * statistics.median(e.compute_s for e in mine) if mine else None}
+                      "device_step_ms_median": 1e3 * statistics.median(e.compute_s for e in mine)}
+    if args.profile:
+        # The same prompt again: its blocks are prefix hits in host memory, so the step that computes
+        # its last block and the decode steps after it all stream the whole context.
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        averages = prof.key_averages()
+        args.profile.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n"
+                                + averages.table(sort_by="self_cuda_time_total", row_limit=30))
     llm.close()
     return out
 
@@ -115,11 +130,16 @@ def report(r: dict) -> None:
           f"({r['gpu_kv_gib']} GiB), prompt {r['prompt_tokens']}, {r['decode_tokens']} decode tokens")
     print("pinned host-to-device copies: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in r["copy_GBps"].items()))
     for phase in ("prefill", "decode"):
-        p = r[phase]
+        p = r.get(phase)
+        if p is None:
+            continue
         print(f"  {phase}: {p['tok_per_s']:,.1f} tok/s over {p['steps']} steps ({p['seconds']:.2f} s); floor "
               f"{p['floor_tok_per_s'] or 0:,.1f} tok/s ({p['GB_loaded']:.1f} GB streamed, link at "
               f"{p['link_GBps'] or 0:.1f} GB/s): {p['share_of_floor'] or 0:.1%} of the floor; load time hidden "
               f"{p['hidden'] or 0:.1%}")
+        host = p["host_ms_per_step"]
+        print("    per step (ms, host): " + " ".join(f"{k[:-2]} {v:.2f}" for k, v in host.items() if v is not None)
+              + f"; device {p['device_step_ms_median']:.2f} (median, start to the forward's end)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--gpu-kv-gib", type=float, default=1.0, help="the ring's GPU memory (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="serve the prompt again (its blocks now prefix hits) and 3 decode steps under "
+                             "torch.profiler; write its host and GPU tables here")
     args = parse_checked(parser, argv)
     with reported_errors(args):
         if not torch.cuda.is_available():

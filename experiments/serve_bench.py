@@ -7,9 +7,9 @@ Throughput: nano-vllm's bench workload (256 requests, prompts U[100,1024] of ids
 U[100,1024], temperature 0.6, ignore_eos) sent at once as streaming completions by client
 processes of their own, timed from the first send to the last ``[DONE]``, against ``LLM.generate``
 of the same requests with the same engine settings in the same run (the Prometheus exporter
-attached to both, runs alternating). Each arm builds its engine afresh and warms it with one short
-request: the offline one in a process of its own, the server's in the engine process it always
-has. The HTTP layer, the server's process and the link between the two are the difference.
+attached to both, runs alternating). Each arm builds its engine afresh and warms it with short
+requests first: the offline one in a process of its own, the server's in the engine process it
+always has. The HTTP layer, the server's process and the link between the two are the difference.
 
 Sweep (``--sweep RATES``): guidellm (pinned in the dev extra) sends Poisson arrivals of synthetic
 chat requests at each rate, against glassbox and, with ``--peer hf``, against ``transformers
@@ -265,26 +265,30 @@ def online_run(args: argparse.Namespace, directory: Path, prompts: list[list[int
                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                   for p, sp in zip(prompts, params)]
         work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-        clients = []
-        for i in range(client_procs):
-            share = work / f"requests-{i}.json"
-            share.write_text(json.dumps(bodies[i::client_procs]))
-            clients.append(subprocess.Popen([sys.executable, __file__, "--client", server.url, str(share),
-                                             str(work / f"out-{i}.json")], stdin=subprocess.PIPE, text=True))
-        time.sleep(3.0)  # the clients connect
-        engine_pid = server.engine.process.pid
-        server_before, engine_before = thread_cpu_seconds("bench-server"), process_cpu_seconds(engine_pid)
-        for client in clients:
-            client.stdin.write("go\n")
-            client.stdin.flush()
-        for client in clients:
-            client.wait(900)
-        server_cpu = thread_cpu_seconds("bench-server") - server_before
-        engine_cpu = process_cpu_seconds(engine_pid) - engine_before
-        unsubscribe()
-        times.unsubscribe()
-    results = [r for i in range(client_procs) for r in json.loads((work / f"out-{i}.json").read_text())["results"]]
-    shutil.rmtree(work, ignore_errors=True)
+        try:
+            clients = []
+            for i in range(client_procs):
+                share = work / f"requests-{i}.json"
+                share.write_text(json.dumps(bodies[i::client_procs]))
+                clients.append(subprocess.Popen([sys.executable, __file__, "--client", server.url, str(share),
+                                                 str(work / f"out-{i}.json")], stdin=subprocess.PIPE, text=True))
+            time.sleep(3.0)  # the clients connect
+            engine_pid = server.engine.process.pid
+            server_before, engine_before = thread_cpu_seconds("bench-server"), process_cpu_seconds(engine_pid)
+            for client in clients:
+                client.stdin.write("go\n")
+                client.stdin.flush()
+            for client in clients:
+                if client.wait(900) != 0:
+                    raise RuntimeError(f"a client process failed (exit status {client.returncode})")
+            server_cpu = thread_cpu_seconds("bench-server") - server_before
+            engine_cpu = process_cpu_seconds(engine_pid) - engine_before
+            unsubscribe()
+            times.unsubscribe()
+            results = [r for i in range(client_procs)
+                       for r in json.loads((work / f"out-{i}.json").read_text())["results"]]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")

@@ -66,13 +66,14 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write ``key``/``value`` rows ``[N, kv_heads, head_dim]`` at their slots; slot -1 is skipped."""
+    """Write ``key``/``value`` rows ``[N, kv_heads, head_dim]`` at their slots; slot -1 is skipped. The
+    caches may have any strides (CPU-offload mode's ring keeps a block's K and V side by side)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat[slots] = key[valid].to(k_cache.dtype)
-    v_flat[slots] = value[valid].to(v_cache.dtype)
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -152,10 +153,14 @@ def partial_attention_ref(
     k_len: int,
     scale: float,
     causal: bool,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One part of a chunk's attention (``kernels.ring_attention``): ``q [Q, H, D]`` over the first
     ``k_len`` keys in the slots ``block_table``, the mask aligned to the end when ``causal``, none
-    otherwise. Returns the float32 output ``[Q, H, D]`` and log-sum-exp ``[Q, H]`` (natural log)."""
+    otherwise. Returns the float32 output ``[Q, H, D]`` and log-sum-exp ``[Q, H]`` (natural log),
+    written into ``out`` and ``lse`` when given."""
     q_len, num_heads, _ = q.shape
     k = _gather_kv(k_cache, block_table, k_len).float()
     v = _gather_kv(v_cache, block_table, k_len).float()
@@ -167,9 +172,13 @@ def partial_attention_ref(
     if causal:
         q_pos = torch.arange(k_len - q_len, k_len, device=q.device)[:, None]
         scores = scores.masked_fill(torch.arange(k_len, device=q.device)[None, :] > q_pos, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H, Q]
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
-    return out.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous()
+    part_lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)  # [Q, H]
+    part = torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(0, 1)
+    if out is None:
+        return part.contiguous(), part_lse.contiguous()
+    out.copy_(part)
+    lse.copy_(part_lse)
+    return out, lse
 
 
 def merge_attention_ref(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor,

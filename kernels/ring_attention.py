@@ -21,7 +21,6 @@ import triton.language as tl
 from kernels.paged_attention import _attend_tiles, _check_cache, _dot_precision
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -155,7 +154,7 @@ def _merge_kernel(
     lse1 = tl.load(lse_ptr + rows, mask=row_mask, other=float("-inf"))
     lse2 = tl.load(lse2_ptr + rows, mask=row_mask, other=float("-inf"))
     top = tl.maximum(lse1, lse2)
-    safe = tl.where(top == float("-inf"), 0.0, top)  # both empty: keep the first (all -inf)
+    safe = tl.where(top == float("-inf"), 0.0, top)  # both empty: zeros, log-sum-exp -inf
     w1 = tl.exp(lse1 - safe)
     w2 = tl.exp(lse2 - safe)
     total = w1 + w2

@@ -37,9 +37,9 @@ PrefillFn = Callable[
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # NormRopeStoreFn's arguments, then (context_lens, block_tables, scale) -> out
 DecodeFromQkvFn = Callable[..., torch.Tensor]
-# (q, k_cache, v_cache, block_table, k_len, scale, causal) -> (out, lse): one part of a chunk's attention
-PartialFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, bool],
-                     tuple[torch.Tensor, torch.Tensor]]
+# (q, k_cache, v_cache, block_table, k_len, scale, causal, *, out=None, lse=None) -> (out, lse): one part
+# of a chunk's attention, into ``out``/``lse`` when given
+PartialFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (out, lse, part_out, part_lse) -> (out, lse): the part folded into the running result, in place
 MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 _LIVENESS_S = 0.5
 # What a stopping engine gets to abort its requests and exit before it is terminated.
 _STOP_TIMEOUT_S = 10.0
+# How long the reader still waits for messages once the engine's process has exited.
+_LAST_WORDS_S = 0.2
 
 
 class EngineDeadError(RuntimeError):
@@ -107,6 +109,8 @@ class AsyncEngine:
         self._keys = itertools.count()
         self._handles: dict[int, RequestHandle] = {}  # admitted and not finished, by request id
         self._admissions: dict[int, tuple[asyncio.Future, RequestHandle]] = {}  # by key
+        # Requests the engine ended with ``error``: its own exception reaches them once it says what it was.
+        self._errored: list[RequestHandle] = []
         self._snapshots: dict[int, tuple[asyncio.Future, BatchSubscriber | None]] = {}  # by key
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutput)
@@ -122,7 +126,7 @@ class AsyncEngine:
 
     @property
     def dead(self) -> bool:
-        """True until the engine is built, and again once it stopped."""
+        """True before ``start``, and once the engine has stopped (or could not be built)."""
         return self._dead or self.process is None
 
     # --- lifetime ---------------------------------------------------------------------------------
@@ -163,8 +167,11 @@ class AsyncEngine:
         """Ask the engine to stop (on the loop): it aborts every request still in it, whose streams
         then end with ``abort``, and exits."""
         if not self._stopping and not self.dead:
+            try:
+                self._send(Shutdown())
+            except EngineDeadError:
+                return  # gone, or not connected yet: close() ends its process at once
             self._stopping = True
-            self._send(Shutdown())
 
     async def close(self) -> None:
         """Stop the engine, wait for its process to exit (terminating it after a timeout) and
@@ -188,20 +195,21 @@ class AsyncEngine:
             for context in (self._context, self._async_context):
                 if context is not None:
                     context.term()
-            if self._directory is not None:
-                shutil.rmtree(self._directory, ignore_errors=True)
 
     def _kill(self) -> None:
+        """End the engine's process (at once unless it is stopping) and remove its socket directory;
+        also what runs at exit if ``close`` never did."""
         process = self.process
-        if process is None:
-            return
-        process.join(_STOP_TIMEOUT_S if self._stopping else 0)
-        if process.is_alive():
-            process.terminate()  # the engine's SIGTERM handler stops it as Shutdown does
-            process.join(_STOP_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        if process is not None:
+            process.join(_STOP_TIMEOUT_S if self._stopping else 0)
+            if process.is_alive():
+                process.terminate()  # the engine's SIGTERM handler stops it as Shutdown does
+                process.join(_STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
     def _exit_description(self) -> str:
         code = self.process.exitcode if self.process is not None else None
@@ -210,7 +218,12 @@ class AsyncEngine:
     # --- requests ---------------------------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
-        self._commands.send(self._encoder.encode(message), copy=False)
+        """Hand ``message`` to the engine without waiting: with no limit on the queue, a send that
+        would block means nobody is at the other end (the engine is gone, or not there yet)."""
+        try:
+            self._commands.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine process is not listening") from None
 
     async def submit(self, token_ids: list[int], params: SamplingParams, event: asyncio.Event, *,
                      client_id: str | None = None, trace_headers: dict[str, str] | None = None,
@@ -218,21 +231,36 @@ class AsyncEngine:
         """Queue a request; returns its handle once the engine has admitted it. From then on
         ``event`` is set whenever the handle changes. A refusal raises the engine's
         ``RequestRejectedError`` (``QueueFullError`` when the waiting queue is full)."""
-        if self.dead:
+        if self.dead or self._stopping:
             raise EngineDeadError("the engine has stopped")
         key = next(self._keys)
         handle = RequestHandle(event)
         admitted = asyncio.get_running_loop().create_future()
         self._admissions[key] = (admitted, handle)
-        self._send(AddRequest(key, token_ids, params, client_id, dict(trace_headers or {}), priority))
-        await admitted  # cancelled (the client left), the request is aborted once admitted
+        try:
+            self._send(AddRequest(key, token_ids, params, client_id, dict(trace_headers or {}), priority))
+            await admitted  # cancelled (the client left) before admission: aborted once admitted
+        except asyncio.CancelledError:
+            if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
+                self.release(handle)  # admitted just before the cancellation reached us
+            raise
+        except EngineDeadError:
+            self._admissions.pop(key, None)
+            raise
         return handle
 
     def release(self, handle: RequestHandle) -> None:
         """Forget the request; one that has not finished is aborted (its blocks are freed)."""
         request_id = handle.request_id
         if request_id is not None and self._handles.pop(request_id, None) is not None and not self.dead:
-            self._send(AbortRequest(request_id))
+            self._send_quietly(AbortRequest(request_id))
+
+    def _send_quietly(self, message: Any) -> None:
+        """A send nobody waits on: if the engine is gone, the reader will say so to everyone."""
+        try:
+            self._send(message)
+        except EngineDeadError:
+            pass
 
     async def snapshot(self) -> Snapshot:
         """The engine's requests and blocks as they stand between two of its steps."""
@@ -254,9 +282,13 @@ class AsyncEngine:
 
     def pause(self) -> None:
         """Stop the engine's steps (every launched step lands first); requests are still admitted."""
+        if self.dead:
+            raise EngineDeadError("the engine has stopped")
         self._send(SetPaused(True))
 
     def resume(self) -> None:
+        if self.dead:
+            raise EngineDeadError("the engine has stopped")
         self._send(SetPaused(False))
 
     # --- what the engine sends, on the loop ---------------------------------------------------------
@@ -264,7 +296,8 @@ class AsyncEngine:
     async def _receive(self) -> EngineCoreOutput | None:
         """The next message; None once the engine's process has exited and everything it sent is read."""
         while not await self._outputs.poll(int(_LIVENESS_S * 1000)):
-            if not self.process.is_alive() and not await self._outputs.poll(0):
+            # What an exited process sent last may still be on its way through ZMQ's I/O threads.
+            if not self.process.is_alive() and not await self._outputs.poll(int(_LAST_WORDS_S * 1000)):
                 return None
         return self._decoder.decode(await self._outputs.recv(copy=False))
 
@@ -307,6 +340,9 @@ class AsyncEngine:
                 handle = handles.pop(event.request_id, None)
                 if handle is not None:
                     handle.finished = event
+                    if event.reason == "error":  # the engine's exception follows in its Failed message
+                        handle.error = EngineDeadError("the engine failed")
+                        self._errored.append(handle)
                     handle.finish_reason = event.reason
                     changed[event.request_id] = handle
         for handle in changed.values():
@@ -317,7 +353,7 @@ class AsyncEngine:
         admitted, handle = self._admissions.pop(message.key)
         handle.request_id = message.request_id
         if admitted.cancelled():
-            self._send(AbortRequest(message.request_id))
+            self._send_quietly(AbortRequest(message.request_id))
             return
         self._handles[message.request_id] = handle
         admitted.set_result(None)
@@ -343,6 +379,8 @@ class AsyncEngine:
     def _on_failed(self, message: Failed) -> None:
         error = pickle.loads(message.error)
         logger.error("the engine stopped on an error:\n%s", message.traceback)
+        for handle in self._errored:  # ended by the failure before it was named
+            handle.error = error
         self._die(error)
 
     def _on_stopped(self, message: Stopped) -> None:

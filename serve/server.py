@@ -96,6 +96,8 @@ class Server:
         self._loop = asyncio.get_running_loop()
         engine = self.engine
         try:
+            if self._stopping:
+                return  # stopped before it began
             await engine.start()
             if self._stopping:
                 return  # stopped while the model loaded
@@ -124,7 +126,10 @@ class Server:
     def stop(self) -> None:
         """Stop serving (from any thread): what a signal does, without the signal."""
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if loop is None:  # not serving yet: serve() will stop as soon as it begins
+            self._stopping = True
+            return
+        if loop.is_closed():
             return
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True  # uvicorn's loop looks at it every tenth of a second

@@ -107,6 +107,25 @@ def threaded_server(checkpoint: Path, *, name: str = "tiny", api_key: str | None
         exporter.close()
 
 
+def start_stream(url: str, max_tokens: int = 400) -> tuple[threading.Thread, list[str]]:
+    """A streaming completion on a thread of its own; the list fills with its ``data:`` lines."""
+    import httpx
+
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "tell me everything", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+    client = threading.Thread(target=stream)
+    client.start()
+    deadline = time.monotonic() + 30
+    while len(lines) < 3 and time.monotonic() < deadline and client.is_alive():
+        time.sleep(0.02)
+    return client, lines
+
+
 @dataclass
 class ServerProcess:
     process: subprocess.Popen

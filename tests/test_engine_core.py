@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
-from serve.engine_client import AsyncEngine, EngineDeadError
-from tests.servers import ENGINE, serve_process, threaded_server
+from serve.engine_client import AsyncEngine, EngineDeadError, RequestHandle
+from tests.servers import ENGINE, serve_process, start_stream, threaded_server
 
 
 def test_a_request_whose_client_left_before_admission_is_aborted(tiny_checkpoint):
@@ -51,18 +50,7 @@ def test_a_request_whose_client_left_before_admission_is_aborted(tiny_checkpoint
 
 def test_a_killed_engine_process_ends_the_streams_with_an_error_and_the_server_with_them(tiny_checkpoint):
     with threaded_server(tiny_checkpoint) as server:
-        lines: list[str] = []
-
-        def stream() -> None:
-            body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-                lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
-
-        client = threading.Thread(target=stream)
-        client.start()
-        deadline = time.monotonic() + 30
-        while len(lines) < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        client, lines = start_stream(server.url)
         assert len(lines) >= 3, "the stream never started"
         process = server.engine.process
         os.kill(process.pid, signal.SIGKILL)
@@ -80,6 +68,52 @@ def test_a_killed_engine_process_ends_the_streams_with_an_error_and_the_server_w
     body = json.loads(lines[-2][6:])
     assert body["error"]["code"] == 500 and "killed by signal 9" in body["error"]["message"]
     assert not process.is_alive()
+
+
+def test_a_request_the_engine_failed_carries_the_engines_own_error():
+    """The engine ends the requests of a failed step (and every other one) with reason ``error``
+    before it says why (``Failed``): each such request ends with the engine's exception, not a
+    placeholder and not as a normal finish."""
+    import pickle
+
+    from engine.core import Events, Failed
+    from engine.events import RequestFinished, pack_events
+
+    async def run() -> tuple:
+        engine = AsyncEngine("unused")
+        event = asyncio.Event()
+        handle = RequestHandle(event, request_id=7)
+        engine._handles[7] = handle
+        ended = RequestFinished(t=0.0, step=3, request_id=7, reason="error", prompt_tokens=4, cached_tokens=0,
+                                host_cached_tokens=0, output_tokens=1, num_preemptions=0, arrival=0.0,
+                                first_scheduled=0.0, first_token=None, last_token=None, finished=0.0)
+        engine._on_events(Events(pack_events([ended])))
+        before = handle.error
+        engine._on_failed(Failed(pickle.dumps(MemoryError("out of device memory")), "Traceback ..."))
+        return before, handle, engine
+
+    before, handle, engine = asyncio.run(run())
+    assert isinstance(before, EngineDeadError)  # known to have failed before knowing why
+    assert handle.finish_reason == "error" and isinstance(handle.error, MemoryError)
+    assert engine.dead and isinstance(engine.error, MemoryError)
+
+
+def test_a_request_sent_to_a_dead_engine_is_refused_not_hung(tiny_checkpoint):
+    async def run() -> BaseException | None:
+        engine = AsyncEngine(str(tiny_checkpoint), ENGINE, torch_threads=1)
+        await engine.start()
+        try:
+            os.kill(engine.process.pid, signal.SIGKILL)
+            engine.process.join(10)
+            try:
+                await asyncio.wait_for(engine.submit([1, 2, 3], SamplingParams(max_tokens=2), asyncio.Event()), 10)
+            except EngineDeadError as exc:
+                return exc
+            return None
+        finally:
+            await engine.close()
+
+    assert isinstance(asyncio.run(run()), EngineDeadError)
 
 
 def _children(pid: int) -> list[int]:
@@ -108,3 +142,20 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
     except (FileNotFoundError, IndexError):
         return "zombie"
+
+
+def test_a_server_stopped_before_it_serves_never_starts_its_engine(tiny_checkpoint):
+    from prometheus_client import CollectorRegistry
+
+    from serve.server import Server
+    from telemetry.metrics_server import listen
+
+    engine = AsyncEngine(str(tiny_checkpoint), ENGINE)
+    sock = listen("127.0.0.1", 0, backlog=8)
+    server = Server(engine, tiny_checkpoint, "tiny", CollectorRegistry(), sock)
+    try:
+        server.stop()  # e.g. a signal while the process was still setting up
+        server.run()
+    finally:
+        sock.close()
+    assert engine.process is None and engine.dead and server.started.is_set()

@@ -147,7 +147,7 @@ def test_cpu_offload_mode_matches_transformers_through_the_ring(preset, block_si
     copies on a side stream that attention waits for layer by layer, parts merged by log-sum-exp."""
     model_dir = ensure_checkpoint(preset)
     llm = LLM(str(model_dir), kvcache_block_size=block_size, max_model_len=2048, num_kvcache_blocks=slots,
-              num_host_kvcache_blocks=64, enable_cpu_offload=True)
+              num_host_kvcache_blocks=2048 // block_size * 6, enable_cpu_offload=True)
     events = []
     llm.events.subscribe(events.append)
     prompts = prompts_for(llm.model_config.vocab_size, [7, 100, 333, 600, 1000, 31], seed=2)

@@ -102,16 +102,25 @@ def test_each_step_moves_exactly_the_blocks_it_needs(tiny_checkpoint, prompts):
 
 
 def test_running_requests_take_turns_in_the_decode_slot(tiny_checkpoint, prompts):
+    """One decode a step, each running request in turn, and none skipped when another finishes
+    (three requests of 4, 9 and 14 tokens: the turns go on past both ends)."""
     llm = ring_llm(tiny_checkpoint, 4)
     events = []
     llm.events.subscribe(events.append)
-    llm.generate(prompts[:3], greedy(6), use_tqdm=False)
+    llm.generate(prompts[:3], [greedy(4), greedy(9), greedy(14)], use_tqdm=False)
     decodes = [e.request_ids[0] for e in events if e.kind == "schedule" and e.phase == "decode"]
-    # Once all three run, each decode step serves the next one in turn.
-    first_cycle = decodes.index(decodes[0], 1) if decodes.count(decodes[0]) > 1 else len(decodes)
-    cycle = decodes[:first_cycle]
-    assert len(set(cycle)) == len(cycle) == 3
-    assert decodes[:3 * len(cycle)] == cycle * 3
+    cycle = decodes[:3]
+    assert len(set(cycle)) == 3 and decodes[3:6] == cycle  # all three, then again in the same order
+    # Between two turns of a request, every other request still running had exactly one.
+    last_turn = {rid: max(i for i, r in enumerate(decodes) if r == rid) for rid in set(decodes)}
+    for i, rid in enumerate(decodes):
+        later = decodes.index(rid, i + 1) if rid in decodes[i + 1:] else None
+        if later is None:
+            continue
+        between = decodes[i + 1:later]
+        still_running = {r for r in set(decodes) if r != rid and last_turn[r] > i}
+        assert sorted(between) == sorted(still_running), (i, decodes)
+    assert [decodes.count(r) for r in cycle] == [3, 8, 13]  # the first token of each comes from its prefill
 
 
 def test_a_prompt_several_times_the_gpu_pool_is_served(tiny_checkpoint, hf_model):
@@ -133,6 +142,7 @@ def test_defaults_work_with_no_size_given(tiny_checkpoint, prompts):
 
 
 @pytest.mark.parametrize("option,words", [
+    (dict(num_kvcache_blocks=1), "at least 2 slots"),
     (dict(batching="mixed"), "mixed batches are not supported"),
     (dict(preemption_mode="swap"), "nothing to swap"),
     (dict(kv_offloading_policy="write-back"), "store policies do not apply"),
@@ -140,7 +150,7 @@ def test_defaults_work_with_no_size_given(tiny_checkpoint, prompts):
 ])
 def test_what_the_mode_does_not_support_is_refused_by_name(tiny_checkpoint, option, words):
     with pytest.raises(ConfigError, match=words):
-        ring_llm(tiny_checkpoint, 4, **option)
+        ring_llm(tiny_checkpoint, **{"slots": 4, **option})
 
 
 def test_a_preempted_request_is_recomputed_through_the_ring(tiny_checkpoint, prompts, reference):

@@ -10,14 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.servers import REPO, threaded_server, serve_process
+from tests.servers import REPO, serve_process, start_stream, threaded_server
 
 ENGINE_ARGS = ("--device", "cpu", "--block-size", "16", "--num-blocks", "64", "--max-model-len", "512")
 
@@ -25,18 +23,7 @@ ENGINE_ARGS = ("--device", "cpu", "--block-size", "16", "--num-blocks", "64", "-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_aborts_what_is_in_flight_and_frees_the_port(tiny_checkpoint, sig):
     with serve_process("--model", str(tiny_checkpoint), *ENGINE_ARGS) as server:
-        lines: list[str] = []
-
-        def stream() -> None:
-            body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-                lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
-
-        client = threading.Thread(target=stream)
-        client.start()
-        deadline = time.monotonic() + 30
-        while len(lines) < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        client, lines = start_stream(server.url)
         server.process.send_signal(sig)
         output = server.process.communicate(timeout=30)[0]  # a hang guard; the note reports the real time
         client.join(30)

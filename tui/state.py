@@ -192,11 +192,12 @@ class DashboardState:
         self.ring_slot_blocks: list[int] = []  # per slot, the host block it held last (-1: none)
         self.ring_roles: list[str] = []  # per slot in the last ring step: write, decode, load or ""
         self.ring_layers: list[RingLayer] = []
-        self.ring_span_s = 0.0  # the last ring step's device time, its copies included
+        self.ring_span_s = 0.0  # the last ring step's device time: its forward, and the loads in it
         self.ring_request: int | None = None
         self.ring_load_s = 0.0
         self.ring_wait_s = 0.0
-        self._ring_loads: dict[int, list[tuple[int, float, float]]] = {}  # step -> (layer, start, end)
+        # step -> its loads so far: (layer, start, end, slots)
+        self._ring_loads: dict[int, list[tuple[int, float, float, tuple[int, ...]]]] = {}
         # --- steps and throughput
         self.timeline: deque[StepRecord] = deque(maxlen=TIMELINE_STEPS)
         self._draft: dict[int, _StepDraft] = {}
@@ -535,23 +536,23 @@ class DashboardState:
 
     def _on_ring_transfer(self, e: RingTransfer) -> None:
         if e.direction == "CPU_to_GPU":
-            self._ring_loads.setdefault(e.step, []).append((e.layer, e.start_s, e.end_s))
+            self._ring_loads.setdefault(e.step, []).append((e.layer, e.start_s, e.end_s, e.slots))
 
     def _on_ring_step(self, e: RingStep) -> None:
         loads = self._ring_loads.pop(e.step, [])
         for stale in [s for s in self._ring_loads if s < e.step]:
             del self._ring_loads[stale]
         by_layer: list[list[tuple[float, float]]] = [[] for _ in e.layer_attention_start_s]
-        for layer, start, end in loads:
+        for layer, start, end, _ in loads:
             if 0 <= layer < len(by_layer):
                 by_layer[layer].append((start, end))
         self.ring_layers = [RingLayer(spans, attention) for spans, attention in
                             zip(by_layer, zip(e.layer_attention_start_s, e.layer_attention_end_s))]
-        self.ring_span_s = max([e.compute_s, *(end for _, _, end in loads)])
+        self.ring_span_s = max([e.compute_s, *(end for _, _, end, _ in loads)])
         self.ring_slot_blocks = list(e.slot_blocks)
         roles = [""] * len(e.slot_blocks)
-        for slot in e.load_slots:
-            roles[slot] = "load" if e.context_tokens else ""
+        for slot in {slot for *_, slots in loads for slot in slots}:  # the load slots that carried blocks in
+            roles[slot] = "load"
         for slot in e.write_slots:
             roles[slot] = "decode" if e.phase == "decode" else "write"
         self.ring_roles = roles

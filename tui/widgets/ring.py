@@ -30,14 +30,13 @@ def ring_stats(state: DashboardState, width: int) -> Text:
              (8, Text.assemble(("  hidden ", "dim"), (fmt.percent(state.ring_hidden), "bold"))),
              (6, Text.assemble(("  ↓", "dim"), (fmt.size(state.bytes_loaded), f"bold {palette.MOVED}"))),
              (5, Text.assemble((" ↑", "dim"), (fmt.size(state.bytes_stored), "bold"))),
-             (4, Text.assemble(("  request ", "dim"), (f"#{state.ring_request}", "bold")))]
+             (4, Text.assemble(("  request ", "dim"),
+                               ("-" if state.ring_request is None else f"#{state.ring_request}", "bold")))]
     return fmt.fit(parts, width)
 
 
-class RingSlots(Widget):
-    """One cell per ring slot, what it did in the last step."""
-
-    DEFAULT_CSS = "RingSlots { height: auto; max-height: 2; }"
+class _ShowsState(Widget):
+    """A widget that draws the last state it was shown."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -46,6 +45,12 @@ class RingSlots(Widget):
     def show(self, state: DashboardState) -> None:
         self._state = state
         self.refresh()
+
+
+class RingSlots(_ShowsState):
+    """One cell per ring slot, what it did in the last step."""
+
+    DEFAULT_CSS = "RingSlots { height: auto; max-height: 2; }"
 
     def render(self) -> Text:
         text = Text(no_wrap=False, overflow="crop")
@@ -57,18 +62,10 @@ class RingSlots(Widget):
         return text
 
 
-class RingLayers(Widget):
+class RingLayers(_ShowsState):
     """The last ring step per layer: copies (upper half) and attention (lower half) over time."""
 
     DEFAULT_CSS = "RingLayers { height: 1fr; min-height: 2; }"
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self._state: DashboardState | None = None
-
-    def show(self, state: DashboardState) -> None:
-        self._state = state
-        self.refresh()
 
     def render(self) -> Text:
         state = self._state
