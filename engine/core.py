@@ -237,9 +237,7 @@ class EngineCoreProc:
         """End every request still in the engine: aborted at a shutdown, failed (``error``) when the
         loop died, so that a client tells one from the other before the ``Failed`` that names why."""
         llm = self.llm
-        scheduler = llm.scheduler
-        for seq in [*scheduler.waiting, *scheduler.loading, *scheduler.running]:
-            scheduler.abort(seq.seq_id, reason="abort" if error is None else "error")
+        llm.scheduler.abort_all("abort" if error is None else "error")
         if error is None:
             llm.drain()  # nothing of it is wanted: only the engine is left clean
         else:

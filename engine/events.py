@@ -311,6 +311,12 @@ class RingStep(Event):
     layer_attention_start_s: tuple[float, ...]
     layer_attention_end_s: tuple[float, ...]
 
+    @property
+    def hidden_s(self) -> float:
+        """The part of the load time hidden behind compute: the share of it attention did not wait
+        for (the hidden share of several steps is their ``hidden_s`` over their ``load_s``)."""
+        return self.load_s - min(self.wait_s, self.load_s)
+
 
 @_event("step")
 class Step(Event):

@@ -332,9 +332,7 @@ class LiveEngine:
             self.pacer.served(busy_s, abs(num_tokens), len(self.llm.scheduler.waiting))
 
     def _release(self, error: BaseException | None) -> None:
-        scheduler = self.llm.scheduler
-        for seq in [*scheduler.waiting, *scheduler.loading, *scheduler.running]:
-            self.llm.abort_request(seq.seq_id)
+        self.llm.scheduler.abort_all()
         if error is None:
             self.llm.drain()  # nothing of it is wanted: only the engine is left clean
         for handle in list(self._handles.values()):

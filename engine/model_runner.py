@@ -444,13 +444,10 @@ class ModelRunner:
         self.sample_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
         if self.rank != 0:
             return None
+        samples, ready = self._samples_to_host(n), None
         if self.device.type == "cuda":
-            samples = torch.empty(n, dtype=torch.int32, pin_memory=True)
-            samples.copy_(self.sampled[:n], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            samples, ready = self.sampled[:n].clone(), None
         return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
                             padded_batch_size=padded_batch_size, launch_order=launch_order)
 
@@ -474,14 +471,18 @@ class ModelRunner:
             reset_context()
         self.sampler(logits, temperatures, out=self.sampled[:1], meta=self._sampling_metadata(seqs))
         self.sample_rows = {seq.seq_id: 0}
-        if self.device.type == "cuda":
-            samples = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            samples.copy_(self.sampled[:1], non_blocking=True)
-        else:
-            samples = self.sampled[:1].clone()
+        samples = self._samples_to_host(1)
         ready = ring.end()  # the offload follows the sampler: the step has landed once it has
         return LaunchedStep(samples, ready, prepare_s=t1 - t0, launch_s=time.perf_counter() - t1,
                             padded_batch_size=None, landed=ring.landed)
+
+    def _samples_to_host(self, n: int) -> torch.Tensor:
+        """The first ``n`` sampled ids on their way to host memory (pinned, not yet waited for, on CUDA)."""
+        if self.device.type != "cuda":
+            return self.sampled[:n].clone()
+        samples = torch.empty(n, dtype=torch.int32, pin_memory=True)
+        samples.copy_(self.sampled[:n], non_blocking=True)
+        return samples
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata | None:
         """What the sampler needs beyond temperatures for ``seqs`` (in launch order); None for a

@@ -78,28 +78,25 @@ class _Group:
 class _Step:
     seq_id: int
     phase: str
-    start: int  # the first position computed
+    start: int  # the first position computed; the tokens before it stream in from host memory
     num_tokens: int
     write_slots: list[int]
     load_slots: list[int]
     halves: list[list[int]]
-    earlier_block_ids: list[int]
-    earlier_tokens: int
     groups: list[_Group]
     by_layer: list[list[int]]  # group indices of each layer
     # (slot, offset, host block, offset, tokens): whole blocks are runs of several (offsets 0, tokens
     # a multiple of the block size), a partial block one.
     offloads: list[tuple[int, int, int, int, int]]
     cpu_block_ids: list[int]  # per write slot, the host block its first token goes to
-    slot_mapping: torch.Tensor | None = None
-    tables: torch.Tensor | None = None  # rows: the write window, then each half of the load slots
+    slot_mapping: torch.Tensor  # ring position of each of the chunk's tokens
+    tables: torch.Tensor  # rows: the write window, then each half of the load slots
     began: object = None
     offload_start: object = None
     offload_end: object = None
     forward_end: object = None
     layer_marks: list[tuple[object, object]] = field(default_factory=list)
     issued: int = 0  # groups whose copies were issued
-    merges: int = 0
     # Each group's part of the attention, reused group after group (the merge reads it before the
     # next part is written: one stream).
     part: torch.Tensor | None = None
@@ -188,19 +185,17 @@ class OffloadEngine:
                     offloads.append((ring0 // bs, 0, host0 // bs, 0, piece))
                 ring0, host0, length = ring0 + piece, host0 + piece, length - piece
         written = [seq.block_table[(start + k * bs) // bs] for k in range(len(write))]
-        step = _Step(seq.seq_id, phase, start, n, write, load, halves, earlier, start, groups, by_layer, offloads,
-                     written)
-        device = self.ring.device
-        step.slot_mapping = torch.from_numpy(ring_pos.astype(np.int64))
-        width = max(len(write), size, 1)
-        tables = np.full((1 + len(halves), width), -1, dtype=np.int32)
+        slot_mapping = torch.from_numpy(ring_pos.astype(np.int64))
+        tables = np.full((1 + len(halves), max(len(write), size, 1)), -1, dtype=np.int32)
         for row, slots in enumerate([write, *halves]):
             tables[row, :len(slots)] = slots
-        step.tables = torch.from_numpy(tables)
+        tables = torch.from_numpy(tables)
         if self.cuda:
-            step.slot_mapping = step.slot_mapping.pin_memory().to(device, non_blocking=True)
-            step.tables = step.tables.pin_memory().to(device, non_blocking=True)
-        return step
+            device = self.ring.device
+            slot_mapping = slot_mapping.pin_memory().to(device, non_blocking=True)
+            tables = tables.pin_memory().to(device, non_blocking=True)
+        return _Step(seq.seq_id, phase, start, n, write, load, halves, groups, by_layer, offloads, written,
+                     slot_mapping, tables)
 
     # --- the step on the device ----------------------------------------------------------------
 
@@ -275,7 +270,6 @@ class OffloadEngine:
             backend.partial(q, k_cache, v_cache, tables[1 + group.half], group.num_tokens, scale, False,
                             out=step.part, lse=step.part_lse)
             backend.merge(out, lse, step.part, step.part_lse)
-            step.merges += 1
             self._released[group.half] = self._compute_mark()
             if step.issued < len(step.groups):
                 self._issue()
@@ -341,11 +335,11 @@ class OffloadEngine:
                     slots=tuple(step.write_slots), cpu_block_ids=tuple(step.cpu_block_ids), num_bytes=offloaded,
                     start_s=seconds(began, step.offload_start), end_s=seconds(began, step.offload_end), waited_s=0.0)
         events.emit(RingStep, request_id=step.seq_id, phase=step.phase, num_tokens=step.num_tokens,
-                    context_tokens=step.earlier_tokens, write_slots=tuple(step.write_slots),
+                    context_tokens=step.start, write_slots=tuple(step.write_slots),
                     load_slots=tuple(step.load_slots), slot_blocks=tuple(self.slot_blocks),
                     loaded_bytes=sum(len(g.cpu_block_ids) for g in step.groups) * self.layer_block_bytes,
                     offloaded_bytes=offloaded, load_s=load_s, wait_s=wait_s, offload_s=offload_s,
-                    compute_s=seconds(began, step.forward_end), merges=step.merges,
+                    compute_s=seconds(began, step.forward_end), merges=len(step.groups),
                     layer_attention_start_s=tuple(seconds(began, a) for a, _ in step.layer_marks),
                     layer_attention_end_s=tuple(seconds(began, b) for _, b in step.layer_marks))
 

@@ -606,6 +606,12 @@ class Scheduler:
                     return seq
         return None
 
+    def abort_all(self, reason: str = "abort") -> None:
+        """Stop every request in the engine, wherever it is (waiting, loading from the host tier or
+        running), freeing its blocks."""
+        for seq in [*self.waiting, *self.loading, *self.running]:
+            self.abort(seq.seq_id, reason)
+
     def fail(self, seq: Sequence) -> Sequence | None:
         """Abort a request whose step failed: the K/V of its blocks may never have been written, so
         they also leave the prefix cache (a request already finished holds none)."""

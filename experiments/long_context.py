@@ -42,23 +42,23 @@ def tokens_of(rec: common.Recording) -> list[int]:
 def pipeline_rows(rec: common.Recording) -> list[dict]:
     """Per ring step from its ``ring_step`` event: the prefill chunks one by one, the decode steps
     summed into one row."""
-    prefill, decode = [], []
-    for e in rec.events:
-        if type(e) is RingStep:
-            row = {"step": str(e.step), "phase": e.phase, "tokens": e.num_tokens, "context_tokens": e.context_tokens,
-                   "loaded_MiB": e.loaded_bytes / 2**20, "offloaded_MiB": e.offloaded_bytes / 2**20,
-                   "load_ms": 1e3 * e.load_s, "wait_ms": 1e3 * e.wait_s, "step_ms": 1e3 * e.compute_s,
-                   "merges": e.merges}
-            (prefill if e.phase == "prefill" else decode).append(row)
-    rows = list(prefill)
+    steps = [e for e in rec.events if type(e) is RingStep]
+    rows = [_pipeline_row(str(e.step), e.phase, [e]) for e in steps if e.phase == "prefill"]
+    decode = [e for e in steps if e.phase == "decode"]
     if decode:
-        summed = {k: sum(r[k] for r in decode) for k in ("tokens", "loaded_MiB", "offloaded_MiB", "load_ms",
-                                                           "wait_ms", "step_ms", "merges")}
-        rows.append({"step": f"{decode[0]['step']}-{decode[-1]['step']}", "phase": f"decode x{len(decode)}",
-                     **summed, "context_tokens": decode[-1]["context_tokens"]})
-    for row in rows:
-        row["hidden"] = 1 - min(row["wait_ms"], row["load_ms"]) / row["load_ms"] if row["load_ms"] else None
+        rows.append(_pipeline_row(f"{decode[0].step}-{decode[-1].step}", f"decode x{len(decode)}", decode))
     return rows
+
+
+def _pipeline_row(step: str, phase: str, steps: list[RingStep]) -> dict:
+    load_s = sum(e.load_s for e in steps)
+    return {"step": step, "phase": phase, "tokens": sum(e.num_tokens for e in steps),
+            "context_tokens": steps[-1].context_tokens,
+            "loaded_MiB": sum(e.loaded_bytes for e in steps) / 2**20,
+            "offloaded_MiB": sum(e.offloaded_bytes for e in steps) / 2**20,
+            "load_ms": 1e3 * load_s, "wait_ms": 1e3 * sum(e.wait_s for e in steps),
+            "step_ms": 1e3 * sum(e.compute_s for e in steps), "merges": sum(e.merges for e in steps),
+            "hidden": sum(e.hidden_s for e in steps) / load_s if load_s else None}
 
 
 def moved_what_it_needed(rec: common.Recording) -> tuple[int, int]:
@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = ring.engine.get("device", "cpu").startswith("cuda")
     chunks = [e for e in steps if e.phase == "prefill"]
     loading = [e for e in chunks if e.load_s > 0]
-    prefill_hidden = (1 - sum(min(e.wait_s, e.load_s) for e in loading) / sum(e.load_s for e in loading)
-                      if loading else None)
+    prefill_hidden = sum(e.hidden_s for e in loading) / sum(e.load_s for e in loading) if loading else None
     alone = all(len(e.request_ids) == 1 for e in ring.events if type(e) is Schedule)
     got, want = tokens_of(ring), tokens_of(reference)
     checks = [

@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
                       "floor_tok_per_s": tokens / floor_s if floor_s else None,
                       "share_of_floor": floor_s / seconds if seconds else None,
                       "link_GBps": loaded / seconds / 1e9 if seconds else None,
-                      "load_s": load_s, "wait_s": wait_s, "hidden": 1 - min(wait_s, load_s) / load_s if load_s else None,
+                      "load_s": load_s, "wait_s": wait_s,
+                      "hidden": sum(e.hidden_s for e in mine) / load_s if load_s else None,
                       "device_step_ms_median": 1e3 * statistics.median(e.compute_s for e in mine)}
     if args.profile:
         # The same prompt again: its blocks are prefix hits in host memory, so the step that computes

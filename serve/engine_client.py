@@ -217,6 +217,11 @@ class AsyncEngine:
 
     # --- requests ---------------------------------------------------------------------------------
 
+    def _check_alive(self, admitting: bool = False) -> None:
+        """Refuse work for an engine that has stopped, or (``admitting``) is stopping."""
+        if self.dead or (admitting and self._stopping):
+            raise EngineDeadError("the engine has stopped")
+
     def _send(self, message: Any) -> None:
         """Hand ``message`` to the engine without waiting: with no limit on the queue, a send that
         would block means nobody is at the other end (the engine is gone, or not there yet)."""
@@ -231,8 +236,7 @@ class AsyncEngine:
         """Queue a request; returns its handle once the engine has admitted it. From then on
         ``event`` is set whenever the handle changes. A refusal raises the engine's
         ``RequestRejectedError`` (``QueueFullError`` when the waiting queue is full)."""
-        if self.dead or self._stopping:
-            raise EngineDeadError("the engine has stopped")
+        self._check_alive(admitting=True)
         key = next(self._keys)
         handle = RequestHandle(event)
         admitted = asyncio.get_running_loop().create_future()
@@ -272,8 +276,7 @@ class AsyncEngine:
         return await self._take_snapshot(subscriber)
 
     async def _take_snapshot(self, subscriber: BatchSubscriber | None) -> Any:
-        if self.dead:
-            raise EngineDeadError("the engine has stopped")
+        self._check_alive()
         key = next(self._keys)
         taken = asyncio.get_running_loop().create_future()
         self._snapshots[key] = (taken, subscriber)
@@ -282,13 +285,11 @@ class AsyncEngine:
 
     def pause(self) -> None:
         """Stop the engine's steps (every launched step lands first); requests are still admitted."""
-        if self.dead:
-            raise EngineDeadError("the engine has stopped")
+        self._check_alive()
         self._send(SetPaused(True))
 
     def resume(self) -> None:
-        if self.dead:
-            raise EngineDeadError("the engine has stopped")
+        self._check_alive()
         self._send(SetPaused(False))
 
     # --- what the engine sends, on the loop ---------------------------------------------------------

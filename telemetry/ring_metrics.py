@@ -29,7 +29,7 @@ class RingMetrics:
         self.hidden = Gauge("glassbox:ring_hidden_ratio", "Share of the ring's load time hidden behind compute, "
                             "since the start (0 on the CPU, where copies block).", names,
                             registry=registry).labels(*values)
-        self._load_s = self._wait_s = 0.0
+        self._load_s = self._hidden_s = 0.0
 
     def step(self, e: RingStep) -> None:
         self.bytes["CPU_to_GPU"].inc(e.loaded_bytes)
@@ -39,6 +39,6 @@ class RingMetrics:
         self.wait.inc(e.wait_s)
         self.merges.inc(e.merges)
         self._load_s += e.load_s
-        self._wait_s += min(e.wait_s, e.load_s)
+        self._hidden_s += e.hidden_s
         if self._load_s > 0:
-            self.hidden.set(1.0 - self._wait_s / self._load_s)
+            self.hidden.set(self._hidden_s / self._load_s)

@@ -195,7 +195,7 @@ class DashboardState:
         self.ring_span_s = 0.0  # the last ring step's device time: its forward, and the loads in it
         self.ring_request: int | None = None
         self.ring_load_s = 0.0
-        self.ring_wait_s = 0.0
+        self.ring_hidden_s = 0.0
         # step -> its loads so far: (layer, start, end, slots)
         self._ring_loads: dict[int, list[tuple[int, float, float, tuple[int, ...]]]] = {}
         # --- steps and throughput
@@ -290,7 +290,7 @@ class DashboardState:
     @property
     def ring_hidden(self) -> float | None:
         """Share of the ring's load time hidden behind compute, since the start."""
-        return 1.0 - min(self.ring_wait_s, self.ring_load_s) / self.ring_load_s if self.ring_load_s else None
+        return self.ring_hidden_s / self.ring_load_s if self.ring_load_s else None
 
     @property
     def host_usage(self) -> float:
@@ -558,7 +558,7 @@ class DashboardState:
         self.ring_roles = roles
         self.ring_request = e.request_id
         self.ring_load_s += e.load_s
-        self.ring_wait_s += e.wait_s
+        self.ring_hidden_s += e.hidden_s
         self.bytes_loaded += e.loaded_bytes
         self.bytes_stored += e.offloaded_bytes
         draft = self._draft_for(e.step)  # the timeline's ↓ (the context streamed in) and ↑ (its new K/V)

@@ -27,6 +27,7 @@ from tui import format as fmt
 from tui import palette
 from tui.state import BlockState, DashboardState, HostBlockState
 from tui.widgets.ring import LEGEND as RING_LEGEND
+from tui.widgets.ring import LEGEND_WIDTH as RING_LEGEND_WIDTH
 from tui.widgets.ring import RingLayers, RingSlots, ring_stats
 
 GLYPHS = {BlockState.FREE: ("·", palette.FREE), BlockState.CACHED: ("□", f"bold {palette.CACHED}"),
@@ -150,7 +151,7 @@ class BlockMapPanel(Vertical):
             stats.update(ring_stats(state, max(1, stats.size.width or room)))
             self.query_one(RingSlots).show(state)
             self.query_one(RingLayers).show(state)
-            if room >= LEGEND_WIDTH + len(" W write D decode ◆ load  ▀copy ▄attention"):
+            if room >= LEGEND_WIDTH + RING_LEGEND_WIDTH:
                 self.border_subtitle = f"{self.border_subtitle} {RING_LEGEND}"
         tier = state.num_cpu_blocks > 0
         for part in ("#host-stats", "#host-blocks"):

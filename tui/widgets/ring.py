@@ -21,6 +21,7 @@ SLOT_GLYPHS = {"write": ("W", f"bold {palette.PREFILL}"), "decode": ("D", f"bold
                "load": ("◆", f"bold {palette.MOVED}"), "": ("·", palette.FREE)}
 LEGEND = (f"[b {palette.PREFILL}]W[/]write [b {palette.DECODE}]D[/]decode [b {palette.MOVED}]◆[/]load  "
           f"[{palette.MOVED}]▀[/]copy [{palette.PREFILL}]▄[/]attention")
+LEGEND_WIDTH = len(" Wwrite Ddecode ◆load  ▀copy ▄attention")
 
 
 def ring_stats(state: DashboardState, width: int) -> Text:
