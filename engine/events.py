@@ -289,7 +289,8 @@ class RingTransfer(Event):
 @_event("ring_step")
 class RingStep(Event):
     """CPU-offload mode: what a step streamed through the GPU ring, published once it landed, before
-    its ``step`` event. ``slot_blocks`` is the host block each ring slot held at its end (-1: none);
+    its ``step`` event. ``slot_blocks`` is the host block each ring slot received last, in any of its
+layers (-1: none; loads stage one layer's K/V of a block in any layer of a load slot);
     ``load_s`` the copy engine's time on its loads, ``wait_s`` the part attention waited for;
     ``layer_attention_*`` when each layer's attention began and ended (device seconds from the
     step's start), beside the loads' times in ``ring_transfer``."""

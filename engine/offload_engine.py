@@ -12,20 +12,23 @@ A step computes one request's tokens (the scheduler runs one request per step in
   several requests share it without swapping anything.
 
 Attention, layer by layer, is done in parts merged by log-sum-exp (``kernels.ring_attention``): the
-chunk over its own tokens (causal), then the request's earlier blocks, a *group* at a time. A group
-is one layer's K/V of up to half the load slots (double buffering: one half is attended while the
-other fills; with one load slot, single buffering). The groups of every layer form one stream:
+chunk over its own tokens (causal), then the request's earlier blocks, a *group* at a time. A slot
+holds a block for every layer, but a load slot only stages what attention reads next, so the loads
+use each load slot's every layer as a *unit* of one layer's K/V of one block: a group is one layer's
+K/V of up to half the load units (double buffering: one half is attended while the other fills; with
+one unit, single buffering). A 36-slot ring decoding thus streams a layer's 128 earlier blocks as one
+group instead of eight, and the host issues eight times fewer copies, launches and waits a step,
+which is what bounds the step when the link is fast. The groups of every layer form one stream:
 groups 0 and 1 are copied in when the step begins, and group ``i + 2`` as soon as group ``i``'s
 attention releases its half, so copies run ahead of attention across layer boundaries; on the GPU
-each group's attention waits only for its own copy event (per slot half and layer). After the
+each group's attention waits only for its own copy event. After the
 forward the chunk's K/V goes down to its host blocks, and the step lands when that copy has, so the
 next step's loads read it (this mode schedules synchronously).
 
 Both pools keep a layer's K and V of a block side by side (``[layers, blocks, 2, block_size,
 kv_heads, head_dim]``), so a group's copy is one ``cudaMemcpyAsync`` per run of consecutive host
-blocks. The host pool is pinned by registering it with CUDA rather than allocating it from torch's
-pinned-memory cache, which would record and poll an event for every copy: a decode step makes
-hundreds, and the host issuing them is what bounds the step when the link is fast.
+blocks and units. The host pool is pinned by registering it with CUDA rather than allocating it
+from torch's pinned-memory cache, which would record and poll an event for every copy.
 
 Every block is loaded whole, once per layer per step: the bytes a step moves are its earlier blocks
 times the block size, the figure the lab checks. Each copy and each wait is timed (CUDA events on
@@ -62,7 +65,7 @@ def chunk_limit(num_slots: int, block_size: int, max_num_batched_tokens: int) ->
 @dataclass(slots=True)
 class _Group:
     layer: int
-    half: int  # which half of the load slots it is copied into
+    half: int  # which half of the load units it is copied into
     cpu_block_ids: list[int]
     num_tokens: int  # keys in those blocks (a decode's last earlier block may be partial)
     # Measurements: markers (CUDA events, or host clock readings on the CPU). ``ready`` is when the
@@ -82,7 +85,7 @@ class _Step:
     num_tokens: int
     write_slots: list[int]
     load_slots: list[int]
-    halves: list[list[int]]
+    halves: list[list[int]]  # the load units of each half (unit: ``layer * num_slots + slot``)
     groups: list[_Group]
     by_layer: list[list[int]]  # group indices of each layer
     # (slot, offset, host block, offset, tokens): whole blocks are runs of several (offsets 0, tokens
@@ -90,7 +93,7 @@ class _Step:
     offloads: list[tuple[int, int, int, int, int]]
     cpu_block_ids: list[int]  # per write slot, the host block its first token goes to
     slot_mapping: torch.Tensor  # ring position of each of the chunk's tokens
-    tables: torch.Tensor  # rows: the write window, then each half of the load slots
+    tables: torch.Tensor  # rows: the write window's slots, then each half's units
     began: object = None
     offload_start: object = None
     offload_end: object = None
@@ -127,12 +130,16 @@ class OffloadEngine:
         self.cuda = ring.device.type == "cuda"
         if self.cuda:
             _pin(host, self)
-        # One view per layer, made once: indexing on the hot path costs the host a few microseconds a view.
+        # Views made once: indexing on the hot path costs the host a few microseconds a view.
         self._ring_layers = list(ring.unbind(0))
         self._host_layers = list(host.unbind(0))
+        self._units = ring.view(self.num_layers * self.num_slots, *ring.shape[2:])  # [units, 2, bs, kvh, hd]
+        self._unit_k, self._unit_v = self._units[:, 0], self._units[:, 1]
         self.token_bytes = ring[:, 0, :, 0].numel() * ring.element_size()  # one token, every layer, K and V
         self.layer_block_bytes = ring[0, 0].numel() * ring.element_size()  # one layer of one block, K and V
         self.copy_stream = torch.cuda.Stream(ring.device) if self.cuda else None
+        # The compute stream, looked up once a step: ``current_stream()`` costs the host ~10 us a call.
+        self._compute: torch.cuda.Stream | None = None
         self._last_compute: object = None  # the latest marker on the compute stream
         # Timing events, made once and recorded again step after step (a step lands, and is read,
         # before the next begins): a new CUDA event costs the host more than recording one.
@@ -141,7 +148,7 @@ class OffloadEngine:
         self._cursor = 0  # where the next prefill chunk's write window starts
         self._released: list[object] = [None, None]  # per half: the attention that last read it
         self.step: _Step | None = None
-        self.slot_blocks = [-1] * self.num_slots  # the host block each slot held last
+        self.slot_blocks = [-1] * self.num_slots  # the host block each slot received last, in any layer
 
     # --- planning -------------------------------------------------------------------------------
 
@@ -157,8 +164,9 @@ class OffloadEngine:
         else:
             write = [DECODE_SLOT]
             load = [s for s in range(self.num_slots) if s != DECODE_SLOT]
-        half = len(load) // 2
-        halves = [load[:half], load[half:2 * half]] if half else [load]
+        units = [layer * self.num_slots + slot for layer in range(self.num_layers) for slot in load]
+        half = len(units) // 2
+        halves = [units[:half], units[half:2 * half]] if half else [units]
         earlier_blocks = -(-start // bs)
         earlier = seq.block_table[:earlier_blocks]
         groups, by_layer = [], []
@@ -206,7 +214,7 @@ class OffloadEngine:
             self._event_pool.append(torch.cuda.Event(enable_timing=True))
         event = self._event_pool[self._events_used]
         self._events_used += 1
-        event.record(stream)
+        event.record(stream or self._compute)
         return event
 
     def _compute_mark(self) -> object:
@@ -217,33 +225,35 @@ class OffloadEngine:
         """Start the step: its first groups' copies go out before the forward begins."""
         self.step = step
         self._events_used = 0
+        if self.cuda:
+            self._compute = torch.cuda.current_stream()
         step.began = self._compute_mark()
         if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream())  # the previous step is done with the slots
+            self.copy_stream.wait_stream(self._compute)  # the previous step is done with the slots
         step.layer_marks = [(None, None)] * self.num_layers
         for _ in range(min(len(step.halves), len(step.groups))):
             self._issue()
 
     def _issue(self) -> None:
-        """Copy the next group's blocks (one layer of each) into its half of the load slots."""
+        """Copy the next group's blocks (one layer of each) into its half of the load units."""
         step = self.step
         index = step.issued
         step.issued += 1
         group = step.groups[index]
-        slots = step.halves[group.half][:len(group.cpu_block_ids)]
+        units = step.halves[group.half][:len(group.cpu_block_ids)]
         stream = self.copy_stream
         if self.cuda:
             released = self._released[group.half]
             if released is not None:
                 stream.wait_event(released)  # the half's last attention has read it
         group.copy_start = self._mark(stream)
-        ring, host = self._ring_layers[group.layer], self._host_layers[group.layer]
+        ring, host = self._units, self._host_layers[group.layer]
         with torch.cuda.stream(stream) if self.cuda else nullcontext():
-            for cpu0, slot0, length in runs(group.cpu_block_ids, slots):
-                ring[slot0:slot0 + length].copy_(host[cpu0:cpu0 + length], non_blocking=True)
+            for cpu0, unit0, length in runs(group.cpu_block_ids, units):
+                ring[unit0:unit0 + length].copy_(host[cpu0:cpu0 + length], non_blocking=True)
         group.copy_end = self._mark(stream)
-        for slot, block in zip(slots, group.cpu_block_ids):
-            self.slot_blocks[slot] = block
+        for unit, block in zip(units, group.cpu_block_ids):
+            self.slot_blocks[unit % self.num_slots] = block
 
     def forward_layer(self, attention, qkv: torch.Tensor, positions: torch.Tensor, q_norm, k_norm,
                       cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -265,9 +275,9 @@ class OffloadEngine:
             group = step.groups[index]
             group.ready = self._last_compute
             if self.cuda:
-                torch.cuda.current_stream().wait_event(group.copy_end)
+                self._compute.wait_event(group.copy_end)
             group.wait_end = self._mark()
-            backend.partial(q, k_cache, v_cache, tables[1 + group.half], group.num_tokens, scale, False,
+            backend.partial(q, self._unit_k, self._unit_v, tables[1 + group.half], group.num_tokens, scale, False,
                             out=step.part, lse=step.part_lse)
             backend.merge(out, lse, step.part, step.part_lse)
             self._released[group.half] = self._compute_mark()
@@ -283,7 +293,7 @@ class OffloadEngine:
         step.forward_end = self._compute_mark()
         stream = self.copy_stream
         if self.cuda:
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(self._compute)
         step.offload_start = self._mark(stream)
         bs = self.block_size
         with torch.cuda.stream(stream) if self.cuda else nullcontext():
@@ -324,7 +334,7 @@ class OffloadEngine:
             load_s += copy_s
             wait_s += waited
             events.emit(RingTransfer, request_id=step.seq_id, direction="CPU_to_GPU", layer=group.layer,
-                        slots=tuple(step.halves[group.half][:len(group.cpu_block_ids)]),
+                        slots=tuple(unit % self.num_slots for unit in step.halves[group.half][:len(group.cpu_block_ids)]),
                         cpu_block_ids=tuple(group.cpu_block_ids),
                         num_bytes=len(group.cpu_block_ids) * self.layer_block_bytes,
                         start_s=seconds(began, group.copy_start), end_s=seconds(began, group.copy_end),

@@ -7,7 +7,7 @@ bandwidth of a large ``dst.copy_(src)`` measured in the same run (bytes read + w
 Default shape: Qwen3-0.6B attention (16 q heads, 8 KV heads, head_dim 128, bf16), batch 256,
 contexts uniform in [900, 1100], block sizes 256 and 16.
 
-    python -m experiments.attention_bench [--sweep] [--splits] [--batch 256] [--run-shapes]
+    python -m experiments.attention_bench [--sweep] [--splits] [--batch 256] [--run-shapes] [--prefill-only]
 
 ``--run-shapes`` times decode on the yardstick's own shapes instead: at batch b the survivors of
 ``bench.py``'s workload have decoded about ``t = 100 + 924 (1 - b / 256)`` tokens after prompts of
@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile/warps/stages")
     parser.add_argument("--splits", action="store_true", help="time every split count at small batches")
     parser.add_argument("--run-shapes", action="store_true", help="time decode on the yardstick's shapes only")
+    parser.add_argument("--prefill-only", action="store_true", help="time prefill only (with --sweep: its tiles)")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -163,6 +164,12 @@ def main() -> None:
         bench_run_shapes(copy_bw)
         return
 
+    if not args.prefill_only:
+        bench_decode_tables(args, copy_bw)
+    bench_prefill_tables(args.sweep)
+
+
+def bench_decode_tables(args: argparse.Namespace, copy_bw: float) -> None:
     decode_configs: list[dict] = [{}]
     if args.sweep:
         decode_configs += [
@@ -194,12 +201,16 @@ def main() -> None:
             print(f"{batch:>5} {f'{ctx_lo}-{ctx_hi}':>10}  {cells}   auto={auto}*, best {best[2]:.0f} GB/s "
                   f"({best[3]:.1%})")
 
+
+
+def bench_prefill_tables(sweep: bool) -> None:
     prefill_configs: list[dict] = [{}]
-    if args.sweep:
+    if sweep:
         prefill_configs += [
             {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
             for m, n, w, s in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-                               (128, 32, 4, 2), (64, 128, 8, 2))
+                               (128, 32, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3),
+                               (128, 64, 4, 3), (128, 64, 8, 4))
         ]
     print("\nprefill (causal TFLOP/s counts visible keys only), block 256:")
     print(f"{'shape':<28} {'config':<52} {'us':>8} {'TFLOP/s':>8}")
@@ -209,6 +220,8 @@ def main() -> None:
         ("16 x U[100,1024]", [rng.randint(100, 1024) for _ in range(16)], 0),
         ("16 x 512 after 512 cached", [512] * 16, 512),
         ("1 x 4096", [4096], 0),
+        ("5 x 3000", [3000] * 5, 0),
+        ("4 x 1500 after 1500 cached", [1500] * 4, 1500),
     ]
     for name, q_lens, prefix in shapes:
         for label, us, tflops in bench_prefill(q_lens, prefix, 256, prefill_configs, check=True):

@@ -23,7 +23,9 @@ from kernels.paged_attention import _attend_tiles, _check_cache, _dot_precision
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Lengths change every step (a decode's context grows by one): specialising on them (== 1, divisible
+# by 16) would compile new variants mid-run, seconds each, measured as stalls in a decode of a 32k context.
+@triton.jit(do_not_specialize=["q_len", "k_len"])
 def _partial_kernel(
     q_ptr,
     k_cache_ptr,
@@ -138,7 +140,7 @@ def partial_attention(
     return out, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _merge_kernel(
     o_ptr,
     lse_ptr,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments import bench, kv_offload_bench
+from experiments import bench, floor_bench, kv_offload_bench
 from experiments.bench import decode_by_batch, decode_floor, decode_step_reads, weight_bytes_per_step
 from models.checkpoint import PRESETS
 
@@ -67,6 +67,23 @@ def test_without_cuda_it_asks_for_device_cpu_and_says_what_that_costs(monkeypatc
     assert err == ("error: bench.py is a GPU yardstick and finds no CUDA device; on the CPU its workload (256 requests, "
                    "133,966 output tokens of qwen3-0.6b) would take hours. Pass --device cpu to run it anyway "
                    "(--device cpu --preset tiny --num-requests 16: under a minute)\n")
+
+
+def test_the_prefill_floor_counts_projections_and_causal_attention() -> None:
+    """Qwen3-0.6B's figures by hand: 28 layers of q/k/v (1024 x 4096), o (2048 x 1024) and the
+    MLP (3 x 1024 x 3072) weights; attention's two products over s^2 pairs per head."""
+    qwen = PRESETS["qwen3-0.6b"]
+    params = 28 * (1024 * 4096 + 2048 * 1024 + 3 * 1024 * 3072)
+    assert floor_bench.non_embedding_params(qwen) == params == 440_401_920
+    assert floor_bench.prefill_flops(qwen, [3000, 10]) == 2 * params * 3010 + 2 * 28 * 16 * 128 * (3000**2 + 10**2)
+
+
+def test_the_floor_bench_needs_cuda_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        floor_bench.main([])
+    assert exit_info.value.code == 2
+    assert "floor_bench measures against the GPU's own floors: it needs CUDA" in capsys.readouterr().err
 
 
 def test_a_cpu_run_shows_its_progress(tiny_checkpoint, capsys):

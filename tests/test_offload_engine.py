@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
+import torch
 
 from engine.config import ConfigError
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError
+from models.checkpoint import PRESETS, make_checkpoint
 from tests.reference import hf_greedy
 
 MAX_TOKENS = 20
@@ -97,8 +100,31 @@ def test_each_step_moves_exactly_the_blocks_it_needs(tiny_checkpoint, prompts):
         # Copies on the CPU are synchronous: attention waited for all of each one.
         assert step.wait_s == pytest.approx(step.load_s) and all(t.waited_s >= 0 for t in loads)
         assert len(step.layer_attention_start_s) == layers
+        # A load slot stages a block for every layer: a group is one layer's K/V of up to half the
+        # load slots times the layers (one unit left: single buffering).
+        units = len(step.load_slots) * layers
+        group = units // 2 or units
+        assert all(len(t.cpu_block_ids) <= group for t in loads)
+        assert len(loads) == layers * math.ceil(earlier / group)
     decodes = [s for s in steps if s.phase == "decode"]
     assert decodes and all(s.write_slots == (0,) and 0 not in s.load_slots for s in decodes)
+
+
+def test_one_layer_with_one_load_slot_single_buffers(tmp_path):
+    """The smallest staging there is: one layer, two slots (one written, one loaded), so one load unit
+    that every group in turn is copied into once the previous group's attention has read it."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = make_checkpoint(replace(PRESETS["tiny"], num_hidden_layers=1), tmp_path / "one-layer", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompt = [random.Random(1).randrange(4000) for _ in range(70)]
+    llm = ring_llm(checkpoint, 2)
+    events = []
+    llm.events.subscribe(events.append)
+    out = llm.generate([prompt], greedy(6), use_tqdm=False)
+    assert [o["token_ids"] for o in out] == hf_greedy(hf, [prompt], 6)
+    loads = [e for e in events if e.kind == "ring_transfer" and e.direction == "CPU_to_GPU"]
+    assert loads and all(len(t.cpu_block_ids) == 1 for t in loads)
 
 
 def test_running_requests_take_turns_in_the_decode_slot(tiny_checkpoint, prompts):

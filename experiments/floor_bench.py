@@ -1,0 +1,215 @@
+"""Decode at small batches and prefill of long prompts, each against its own floor measured in the same run.
+
+    python experiments/floor_bench.py --preset qwen3-0.6b [--batches 1,4,16] [--output-tokens 1024]
+        [--prefill-prompts 96] [--prefill-tokens 3000] [--no-profile] [--json FILE]
+
+Decode: ``batch`` requests of 32 random prompt tokens decode ``--output-tokens`` tokens each together
+(greedy, ignore_eos). Every decode step reads every weight and the K/V of each running request, so
+its floor is those bytes at the device-copy bandwidth measured here; the report gives the mean step
+time against the mean floor (the share) and, at the smallest batch, the GPU time per step by kernel
+(torch.profiler over 64 steps), which shows where the time over the floor goes.
+
+Prefill: ``--prefill-prompts`` prompts of ``--prefill-tokens`` random ids, max_tokens 1, prefix cache
+reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding parameters x tokens +
+2 x layers x heads x head_dim x sum(s^2)`` (projections, then causal attention's two products), and
+its rate is set against a bf16 8192^3 matrix product timed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.events import Step  # noqa: E402
+from engine.options import OptionError, add_engine_args, build_llm, parse_checked, reported_errors  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from experiments.bench import device_copy_bandwidth, weight_bytes_per_step  # noqa: E402
+from models.config import Qwen3Config  # noqa: E402
+
+PROMPT_TOKENS = 32
+PROFILED_STEPS = 64
+
+
+def progress(message: str) -> None:
+    print(f"floor_bench: {message}", file=sys.stderr, flush=True)
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of a bf16 ``n x n x n`` product (median of timed runs, random inputs)."""
+    from triton.testing import do_bench
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def non_embedding_params(mc: Qwen3Config) -> int:
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    return mc.num_hidden_layers * (mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size
+                                   + 3 * mc.hidden_size * mc.intermediate_size)
+
+
+def prefill_flops(mc: Qwen3Config, prompt_lens: list[int]) -> float:
+    attention = 2 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * sum(s * s for s in prompt_lens)
+    return 2 * non_embedding_params(mc) * sum(prompt_lens) + attention
+
+
+def _collect(llm) -> tuple[list[Step], object]:
+    steps: list[Step] = []
+    unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if type(e) is Step else None)
+    return steps, unsubscribe
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def decode_run(llm, batch: int, output_tokens: int, bandwidth: float) -> dict:
+    """``batch`` requests decoding together: the mean decode step against its floor."""
+    mc = llm.model_config
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    weights = weight_bytes_per_step(mc, 2)
+    prompts = random_prompts(batch, PROMPT_TOKENS, mc.vocab_size, seed=batch)
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()
+    steps, unsubscribe = _collect(llm)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    unsubscribe()
+    decode = [s for s in steps if s.phase == "decode"]
+    # Decode step k (from 0) of a full batch reads the K/V of PROMPT_TOKENS + k + 1 tokens per request.
+    floors = [(weights + kv_per_token * s.num_seqs * (PROMPT_TOKENS + k + 1)) / bandwidth
+              for k, s in enumerate(decode)]
+    step_s = statistics.mean(s.duration_s for s in decode)
+    floor_s = statistics.mean(floors)
+    return {"batch": batch, "output_tokens": batch * output_tokens, "wall_s": wall,
+            "tok_per_s": batch * output_tokens / wall, "decode_steps": len(decode),
+            "step_ms": 1e3 * step_s, "step_ms_median": 1e3 * statistics.median(s.duration_s for s in decode),
+            "floor_ms": 1e3 * floor_s, "share_of_floor": floor_s / step_s,
+            "host_launch_ms": 1e3 * statistics.mean(s.launch_s for s in decode)}
+
+
+def decode_kernels(llm, batch: int) -> dict:
+    """GPU time per decode step by kernel, ``PROFILED_STEPS`` steps of ``batch`` running requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mc = llm.model_config
+    params = SamplingParams(temperature=0, max_tokens=PROFILED_STEPS + 16, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in random_prompts(batch, PROMPT_TOKENS, mc.vocab_size, seed=7)]
+    for _ in range(8):  # prefill, then a few decode steps
+        llm.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            llm.step()
+        torch.cuda.synchronize()
+    for request_id in ids:
+        llm.abort_request(request_id)
+    llm.drain()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = sorted(((e.key, e.device_time_total / 1e3 / PROFILED_STEPS, e.count / PROFILED_STEPS) for e in events),
+                     key=lambda k: -k[1])
+    return {"batch": batch, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
+            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20]}
+
+
+def prefill_run(llm, count: int, length: int, rate: float) -> dict:
+    mc = llm.model_config
+    prompts = random_prompts(count, length, mc.vocab_size, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.reset_prefix_cache()
+    steps, unsubscribe = _collect(llm)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    unsubscribe()
+    flops = prefill_flops(mc, [len(p) for p in prompts])
+    return {"prompts": count, "prompt_tokens": length, "wall_s": wall, "steps": len(steps),
+            "flops": flops, "tflops": flops / wall / 1e12, "share_of_matmul": flops / wall / rate,
+            "tok_per_s": count * length / wall}
+
+
+def run(args: argparse.Namespace) -> dict:
+    progress("copy bandwidth and the matrix-product rate")
+    copy = device_copy_bandwidth(torch.device("cuda"))
+    rate = matmul_rate()
+    progress(f"loading {args.model or args.preset}")
+    args.max_num_seqs = max(args.max_num_seqs, max(args.batches))
+    llm = build_llm(args)
+    llm.generate([[1] * 8], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # first-use costs
+    results = {"device": torch.cuda.get_device_name(), "model": Path(llm.config.model).name,
+               "copy_TBps": copy / 1e12, "matmul_TFLOPs": rate / 1e12, "decode": [], "prefill": None}
+    for batch in args.batches:
+        progress(f"decode: batch {batch}, {args.output_tokens} tokens each")
+        results["decode"].append(decode_run(llm, batch, args.output_tokens, copy))
+    if not args.no_profile:
+        progress(f"profiling {PROFILED_STEPS} decode steps at batch {min(args.batches)}")
+        results["kernels"] = decode_kernels(llm, min(args.batches))
+    if args.prefill_prompts:
+        progress(f"prefill: {args.prefill_prompts} prompts of {args.prefill_tokens} tokens")
+        prefill_run(llm, min(8, args.prefill_prompts), args.prefill_tokens, rate)  # shapes compiled once
+        results["prefill"] = prefill_run(llm, args.prefill_prompts, args.prefill_tokens, rate)
+    llm.close()
+    return results
+
+
+def report(r: dict) -> None:
+    print(f"{r['device']}, {r['model']}: copy {r['copy_TBps']:.2f} TB/s, bf16 8192^3 product "
+          f"{r['matmul_TFLOPs']:.0f} TFLOP/s")
+    print("decode   batch  tok/s      step ms (median)  floor ms  share   host launch ms")
+    for d in r["decode"]:
+        print(f"         {d['batch']:>5}  {d['tok_per_s']:>9,.0f}  {d['step_ms']:6.3f} ({d['step_ms_median']:.3f})"
+              f"    {d['floor_ms']:6.3f}  {d['share_of_floor']:6.1%}  {d['host_launch_ms']:.3f}")
+    k = r.get("kernels")
+    if k:
+        print(f"GPU time per decode step at batch {k['batch']}: {k['gpu_ms_per_step']:.3f} ms in "
+              f"{k['kernels_per_step']:.0f} kernels")
+        for name, ms, count in k["kernels"][:12]:
+            print(f"  {1e3 * ms:8.1f} us  x{count:5.1f}  {name[:100]}")
+    p = r["prefill"]
+    if p:
+        print(f"prefill  {p['prompts']} x {p['prompt_tokens']} tokens in {p['wall_s']:.3f} s ({p['steps']} steps): "
+              f"{p['tflops']:.0f} TFLOP/s = {p['share_of_matmul']:.1%} of the product's rate, "
+              f"{p['tok_per_s']:,.0f} tok/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser, preset="qwen3-0.6b")
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 4, 16],
+                        help="decode batch sizes (default: 1,4,16)")
+    parser.add_argument("--output-tokens", type=int, default=1024)
+    parser.add_argument("--prefill-prompts", type=int, default=96, help="0: no prefill run (default: %(default)s)")
+    parser.add_argument("--prefill-tokens", type=int, default=3000)
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parse_checked(parser, argv)
+    with reported_errors(args):
+        if not torch.cuda.is_available():
+            raise OptionError("floor_bench measures against the GPU's own floors: it needs CUDA")
+        if min(args.batches) < 1 or args.output_tokens < 2:
+            raise OptionError("--batches must be positive and --output-tokens at least 2")
+        results = run(args)
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
