@@ -12,7 +12,8 @@ time against the mean floor (the share) and, at the smallest batch, the GPU time
 Prefill: ``--prefill-prompts`` prompts of ``--prefill-tokens`` random ids, max_tokens 1, prefix cache
 reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding parameters x tokens +
 2 x layers x heads x head_dim x sum(s^2)`` (projections, then causal attention's two products), and
-its rate is set against a bf16 8192^3 matrix product timed here.
+its rate is set against a bf16 8192^3 matrix product timed here; then the same prefill under
+torch.profiler gives the GPU time per step by kernel.
 """
 
 from __future__ import annotations
@@ -102,31 +103,44 @@ def decode_run(llm, batch: int, output_tokens: int, bandwidth: float) -> dict:
             "host_launch_ms": 1e3 * statistics.mean(s.launch_s for s in decode)}
 
 
-def decode_kernels(llm, batch: int) -> dict:
-    """GPU time per decode step by kernel, ``PROFILED_STEPS`` steps of ``batch`` running requests."""
+def kernel_table(run, steps: int) -> dict:
+    """GPU time by kernel while ``run()`` runs, per step of the ``steps`` it takes, with the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = sorted(((e.key, e.device_time_total / 1e3 / steps, e.count / steps) for e in events), key=lambda k: -k[1])
+    return {"wall_ms_per_step": 1e3 * wall / steps, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
+            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20]}
+
+
+def decode_kernels(llm, batch: int) -> dict:
+    """GPU time per decode step by kernel, ``PROFILED_STEPS`` steps of ``batch`` running requests."""
     mc = llm.model_config
     params = SamplingParams(temperature=0, max_tokens=PROFILED_STEPS + 16, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in random_prompts(batch, PROMPT_TOKENS, mc.vocab_size, seed=7)]
     for _ in range(8):  # prefill, then a few decode steps
         llm.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def decode() -> None:
         for _ in range(PROFILED_STEPS):
             llm.step()
-        torch.cuda.synchronize()
+
+    table = kernel_table(decode, PROFILED_STEPS)
     for request_id in ids:
         llm.abort_request(request_id)
     llm.drain()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    kernels = sorted(((e.key, e.device_time_total / 1e3 / PROFILED_STEPS, e.count / PROFILED_STEPS) for e in events),
-                     key=lambda k: -k[1])
-    return {"batch": batch, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
-            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20]}
+    return {"batch": batch, **table}
 
 
-def prefill_run(llm, count: int, length: int, rate: float) -> dict:
+def prefill_run(llm, count: int, length: int, rate: float, profiled: bool = False) -> dict:
+    """The prompts prefilled, timed; ``profiled``: then again under torch.profiler, for the GPU time
+    per step by kernel."""
     mc = llm.model_config
     prompts = random_prompts(count, length, mc.vocab_size, seed=3)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -138,9 +152,13 @@ def prefill_run(llm, count: int, length: int, rate: float) -> dict:
     wall = time.perf_counter() - t
     unsubscribe()
     flops = prefill_flops(mc, [len(p) for p in prompts])
-    return {"prompts": count, "prompt_tokens": length, "wall_s": wall, "steps": len(steps),
-            "flops": flops, "tflops": flops / wall / 1e12, "share_of_matmul": flops / wall / rate,
-            "tok_per_s": count * length / wall}
+    result = {"prompts": count, "prompt_tokens": length, "wall_s": wall, "steps": len(steps),
+              "flops": flops, "tflops": flops / wall / 1e12, "share_of_matmul": flops / wall / rate,
+              "tok_per_s": count * length / wall}
+    if profiled:
+        llm.reset_prefix_cache()
+        result["kernels"] = kernel_table(lambda: llm.generate(prompts, params, use_tqdm=False), len(steps))
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -162,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.prefill_prompts:
         progress(f"prefill: {args.prefill_prompts} prompts of {args.prefill_tokens} tokens")
         prefill_run(llm, min(8, args.prefill_prompts), args.prefill_tokens, rate)  # shapes compiled once
-        results["prefill"] = prefill_run(llm, args.prefill_prompts, args.prefill_tokens, rate)
+        results["prefill"] = prefill_run(llm, args.prefill_prompts, args.prefill_tokens, rate, not args.no_profile)
     llm.close()
     return results
 
@@ -174,17 +192,22 @@ def report(r: dict) -> None:
     for d in r["decode"]:
         print(f"         {d['batch']:>5}  {d['tok_per_s']:>9,.0f}  {d['step_ms']:6.3f} ({d['step_ms_median']:.3f})"
               f"    {d['floor_ms']:6.3f}  {d['share_of_floor']:6.1%}  {d['host_launch_ms']:.3f}")
-    k = r.get("kernels")
-    if k:
-        print(f"GPU time per decode step at batch {k['batch']}: {k['gpu_ms_per_step']:.3f} ms in "
-              f"{k['kernels_per_step']:.0f} kernels")
-        for name, ms, count in k["kernels"][:12]:
-            print(f"  {1e3 * ms:8.1f} us  x{count:5.1f}  {name[:100]}")
+    if r.get("kernels"):
+        print_kernels(f"decode step at batch {r['kernels']['batch']}", r["kernels"])
     p = r["prefill"]
     if p:
         print(f"prefill  {p['prompts']} x {p['prompt_tokens']} tokens in {p['wall_s']:.3f} s ({p['steps']} steps): "
               f"{p['tflops']:.0f} TFLOP/s = {p['share_of_matmul']:.1%} of the product's rate, "
               f"{p['tok_per_s']:,.0f} tok/s")
+        if p.get("kernels"):
+            print_kernels("prefill step", p["kernels"])
+
+
+def print_kernels(what: str, k: dict) -> None:
+    print(f"GPU time per {what}: {k['gpu_ms_per_step']:.3f} ms in {k['kernels_per_step']:.0f} kernels "
+          f"(wall {k['wall_ms_per_step']:.3f} ms, profiled)")
+    for name, ms, count in k["kernels"][:12]:
+        print(f"  {1e3 * ms:9.1f} us  x{count:5.1f}  {name[:100]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=1024)
     parser.add_argument("--prefill-prompts", type=int, default=96, help="0: no prefill run (default: %(default)s)")
     parser.add_argument("--prefill-tokens", type=int, default=3000)
-    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     with reported_errors(args):

@@ -10,7 +10,8 @@ reference  the ordinary engine on a pool large enough for the prompt: the tokens
 The table is the pipeline per step (the decode steps summed into one row): tokens computed, the
 earlier context streamed in, bytes each way, the copy engine's time, how long attention waited,
 the share of the load time hidden behind compute. On the CPU copies are synchronous (nothing is
-hidden), so the overlap verdict is the GPU's. The tokens must be equal, so the lab runs in float32 on
+hidden), so the overlap verdict is the GPU's, at full size: ``--preset qwen3-0.6b --block-size 256``
+(the tiny preset computes too little to hide its copies behind). The tokens must be equal, so the lab runs in float32 on
 the GPU too (``--dtype bfloat16`` watches the production path, whose rounding differs by part).
 """
 

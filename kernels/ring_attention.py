@@ -41,12 +41,9 @@ def _partial_kernel(
     o_stride_tok,
     o_stride_head,
     lse_stride_tok,
-    kc_stride_block,
-    kc_stride_slot,
-    kc_stride_head,
-    vc_stride_block,
-    vc_stride_slot,
-    vc_stride_head,
+    kv_stride_block,
+    kv_stride_slot,
+    kv_stride_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -74,24 +71,20 @@ def _partial_kernel(
         unmasked_hi = (ctx + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
         hi = tl.minimum(k_len, ctx + (m_block + 1) * BLOCK_M)
         acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, 0, unmasked_hi,
-                                  k_len, dims, kv_head, scale_log2, kc_stride_block, kc_stride_slot,
-                                  kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                  BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
+                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
         acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, unmasked_hi, hi,
-                                  k_len, dims, kv_head, scale_log2, kc_stride_block, kc_stride_slot,
-                                  kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                  BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
+                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
     else:
         # Every key precedes every query: whole tiles need no mask, the last one only its length's.
         full = k_len // BLOCK_N * BLOCK_N
         acc, m, l = _attend_tiles(acc, m, l, q, rows, k_cache_ptr, v_cache_ptr, bt_ptr, 0, full,
-                                  k_len, dims, kv_head, scale_log2, kc_stride_block, kc_stride_slot,
-                                  kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                  BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
+                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
         acc, m, l = _attend_tiles(acc, m, l, q, k_len + rows, k_cache_ptr, v_cache_ptr, bt_ptr, full, k_len,
-                                  k_len, dims, kv_head, scale_log2, kc_stride_block, kc_stride_slot,
-                                  kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                  BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
+                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * o_stride_tok + head * o_stride_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -133,7 +126,6 @@ def partial_attention(
         q, k_cache, v_cache, out, lse, block_table, q_len, k_len, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype),
     )

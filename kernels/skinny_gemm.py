@@ -113,15 +113,22 @@ def choose_split_k_config(m: int, k: int) -> GemmConfig | None:
     return GemmConfig(min(64, max(16, triton.next_power_of_2(m))), 32, block_k, split_k=split_k)
 
 
+def _tiled_for(x: torch.Tensor) -> bool:
+    # The tiles are sized for 16-bit operands: float32 ones need twice the shared memory, more than
+    # an H100 has for the split-K tile (measured: 384 KiB asked of 227), so float32 goes to cuBLAS.
+    return x.is_cuda and x.element_size() == 2
+
+
 def skinny_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_gemm`` takes this product: CUDA, at most ``MAX_MACS`` multiply-adds, K a
-    multiple of 16."""
-    return x.is_cuda and x.shape[0] * weight.numel() <= MAX_MACS and weight.shape[1] % 16 == 0
+    """Whether ``skinny_gemm`` takes this product: 16-bit operands on CUDA, at most ``MAX_MACS``
+    multiply-adds, K a multiple of 16."""
+    return _tiled_for(x) and x.shape[0] * weight.numel() <= MAX_MACS and weight.shape[1] % 16 == 0
 
 
 def split_k_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_gemm_partials`` takes this product: CUDA and a split-K tile for its shape."""
-    return x.is_cuda and choose_split_k_config(x.shape[0], weight.shape[1]) is not None
+    """Whether ``skinny_gemm_partials`` takes this product: 16-bit operands on CUDA and a split-K tile
+    for its shape."""
+    return _tiled_for(x) and choose_split_k_config(x.shape[0], weight.shape[1]) is not None
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> None:

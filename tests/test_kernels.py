@@ -717,6 +717,9 @@ def test_skinny_gemm_partials_gpu(m: int) -> None:
     x = torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda")
     assert split_k_fits(x, torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda"))
     assert not split_k_fits(torch.empty(129, 2048, dtype=torch.bfloat16, device="cuda"), x[:1])
+    # float32 (the labs' --dtype float32): the tiles would not fit in shared memory, cuBLAS takes it.
+    x32, w32 = x.float(), torch.empty(1024, 2048, device="cuda")
+    assert not split_k_fits(x32, w32) and not skinny_gemm_fits(x32, w32)
 
 
 @pytest.mark.gpu
