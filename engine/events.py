@@ -270,7 +270,8 @@ class KVTransfer(Event):
 @_event("ring_transfer")
 class RingTransfer(Event):
     """CPU-offload mode: one copy of a step's ring pipeline, published once the step landed. A load
-    (``CPU_to_GPU``) is one layer's K/V of a group of earlier blocks into load slots; an offload
+    (``CPU_to_GPU``) is one layer's K/V of a group of earlier blocks into load slots (``slots``, one per
+    block: a slot repeats when the group stages blocks in several of its layers); an offload
     (``GPU_to_CPU``, ``layer`` -1) is the step's new K/V, every layer, down to its host blocks. Times
     are device seconds from the step's start; ``waited_s`` is how long attention stood waiting for
     the load (0 when the copy was hidden behind compute; all of it on the CPU, where copies block)."""
@@ -290,7 +291,7 @@ class RingTransfer(Event):
 class RingStep(Event):
     """CPU-offload mode: what a step streamed through the GPU ring, published once it landed, before
     its ``step`` event. ``slot_blocks`` is the host block each ring slot received last, in any of its
-layers (-1: none; loads stage one layer's K/V of a block in any layer of a load slot);
+    layers (-1: none; loads stage one layer's K/V of a block in any layer of a load slot);
     ``load_s`` the copy engine's time on its loads, ``wait_s`` the part attention waited for;
     ``layer_attention_*`` when each layer's attention began and ended (device seconds from the
     step's start), beside the loads' times in ``ring_transfer``."""

@@ -17,8 +17,8 @@ holds a block for every layer, but a load slot only stages what attention reads 
 use each load slot's every layer as a *unit* of one layer's K/V of one block: a group is one layer's
 K/V of up to half the load units (double buffering: one half is attended while the other fills; with
 one unit, single buffering). A 36-slot ring decoding a 32k context thus streams each layer's 128
-earlier blocks as one group instead of eight, and the host issues eight times fewer copies, launches
-and waits a step (~200 us of host time a group). The groups of every layer form one stream:
+earlier blocks as one group instead of eight, and the host issues eight times fewer launches and
+waits a step (~200 us of host time a group) and half the copies (a group's units span four layers). The groups of every layer form one stream:
 groups 0 and 1 are copied in when the step begins, and group ``i + 2`` as soon as group ``i``'s
 attention releases its half, so copies run ahead of attention across layer boundaries; on the GPU
 each group's attention waits only for its own copy event. After the

@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             raise OptionError("floor_bench measures against the GPU's own floors: it needs CUDA")
         if min(args.batches) < 1 or args.output_tokens < 2:
             raise OptionError("--batches must be positive and --output-tokens at least 2")
+        if args.dtype == "float32":  # the floors count 2-byte weights and K/V, the rate a bf16 product
+            raise OptionError("floor_bench measures the 16-bit path: leave --dtype out (the checkpoint's bf16) "
+                              "or pass bfloat16 or float16")
         results = run(args)
     report(results)
     if args.json:

@@ -86,6 +86,14 @@ def test_the_floor_bench_needs_cuda_and_says_so(monkeypatch, capsys):
     assert "floor_bench measures against the GPU's own floors: it needs CUDA" in capsys.readouterr().err
 
 
+def test_the_floor_bench_refuses_float32(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as exit_info:
+        floor_bench.main(["--dtype", "float32"])
+    assert exit_info.value.code == 2
+    assert "floor_bench measures the 16-bit path" in capsys.readouterr().err
+
+
 def test_a_cpu_run_shows_its_progress(tiny_checkpoint, capsys):
     assert bench.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--num-requests", "1"]) == 0
     out, err = capsys.readouterr()
