@@ -272,3 +272,18 @@ def test_report_writes_everything_and_fails_on_any_failed_check(tmp_path, capsys
     fig, _ = common.new_figure(1, 1, "demo")
     assert common.report(args, {}, [good, bad], [rec], fig) == 1
     assert not json.loads((tmp_path / "summary.json").read_text())["holds"]
+
+
+def test_the_long_context_lab_runs_at_full_size_on_a_gpu(monkeypatch, tmp_path):
+    """Without --quick on a GPU the overlap verdict needs a model whose compute can hide copies: the
+    lab takes Qwen3-0.6B with blocks of 256 unless told otherwise; --quick and the CPU keep the tiny one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    full = long_context.options(["--out", str(tmp_path / "a")])
+    assert (full.preset, full.block_size) == ("qwen3-0.6b", 256)
+    chosen = long_context.options(["--out", str(tmp_path / "b"), "--preset", "tiny", "--block-size", "32"])
+    assert (chosen.preset, chosen.block_size) == ("tiny", 32)
+    quick = long_context.options(["--quick", "--out", str(tmp_path / "c")])
+    assert (quick.preset, quick.block_size) == ("tiny", 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = long_context.options(["--out", str(tmp_path / "d")])
+    assert (cpu.preset, cpu.block_size) == ("tiny", 16)
