@@ -42,6 +42,7 @@ CPU_KV_CACHE_BYTES = 512 * 1024**2
 # CPU-offload mode's host pool when no size is given: room for max_num_seqs requests of max_model_len
 # tokens, at most this much.
 DEFAULT_HOST_KV_BYTES = 8 * 1024**3
+_HOST_POOL_FIX = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
 
 
 def resolve_device(requested: str | None) -> torch.device:
@@ -252,38 +253,40 @@ class ModelRunner:
             raise ConfigError(f"the GPU ring has room for {config.num_kvcache_blocks} slot(s) of "
                               f"{self.block_bytes / 2**20:.1f} MiB; CPU-offload mode needs 2: raise "
                               "gpu_memory_utilization or use a smaller block size")
-        host_bytes = config.num_host_kvcache_blocks * self.block_bytes
-        what = f"the host KV pool ({config.num_host_kvcache_blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
-        fix = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
         if config.num_host_kvcache_blocks < 1:
             raise ConfigError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block of "
                               f"{self.block_bytes / 2**20:.1f} MiB: give the host pool at least that much")
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if host_bytes > physical:
-            raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
+        what = self._host_pool_that_fits("the host KV pool")
         host = torch.empty((self.kv_cache.shape[0], config.num_host_kvcache_blocks, *self.kv_cache.shape[2:]),
                            dtype=self.dtype)
         try:
             ring = OffloadEngine(self.kv_cache, host, self.events)
         except RuntimeError as exc:  # pinned memory has limits of its own
-            raise ConfigError(f"{what} could not be pinned ({str(exc).splitlines()[0]}): {fix}") from exc
+            raise ConfigError(f"{what} could not be pinned ({str(exc).splitlines()[0]}): {_HOST_POOL_FIX}") from exc
         config.max_num_batched_tokens = chunk_limit(config.num_kvcache_blocks, self.block_size,
                                                     config.max_num_batched_tokens)
         return ring
 
     def _allocate_host_tier(self) -> OffloadingHandler:
         config = self.config
-        host_bytes = config.num_host_kvcache_blocks * self.block_bytes
-        what = f"the host KV tier ({config.num_host_kvcache_blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
-        fix = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
-        # Checked first: an unpinned allocation past physical memory succeeds, and fails only when touched.
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if host_bytes > physical:
-            raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
+        what = self._host_pool_that_fits("the host KV tier")
         try:
             return OffloadingHandler(self.kv_cache, config.num_host_kvcache_blocks, config.kv_offloading_staging_blocks)
         except RuntimeError as exc:  # pinned memory has limits of its own
-            raise ConfigError(f"{what} could not be allocated ({str(exc).splitlines()[0]}): {fix}") from exc
+            raise ConfigError(f"{what} could not be allocated ({str(exc).splitlines()[0]}): {_HOST_POOL_FIX}") from exc
+
+    def _host_pool_that_fits(self, name: str) -> str:
+        """``name`` with the host pool's size (``num_host_kvcache_blocks``), for its errors; refused first
+        when it is larger than this machine's memory (an unpinned allocation past physical memory
+        succeeds, and fails only when touched)."""
+        blocks = self.config.num_host_kvcache_blocks
+        host_bytes = blocks * self.block_bytes
+        what = f"{name} ({blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if host_bytes > physical:
+            raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): "
+                              f"{_HOST_POOL_FIX}")
+        return what
 
     # --- inputs -------------------------------------------------------------------------------
 

@@ -65,10 +65,17 @@ def prefill_flops(mc: Qwen3Config, prompt_lens: list[int]) -> float:
     return 2 * non_embedding_params(mc) * sum(prompt_lens) + attention
 
 
-def _collect(llm) -> tuple[list[Step], object]:
+def timed_generate(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Step], float]:
+    """One ``generate`` of ``prompts`` from an empty prefix cache: its ``step`` events and wall time."""
     steps: list[Step] = []
     unsubscribe = llm.events.subscribe(lambda e: steps.append(e) if type(e) is Step else None)
-    return steps, unsubscribe
+    llm.reset_prefix_cache()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    unsubscribe()
+    return steps, wall
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -82,14 +89,8 @@ def decode_run(llm, batch: int, output_tokens: int, bandwidth: float) -> dict:
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
     weights = weight_bytes_per_step(mc, 2)
     prompts = random_prompts(batch, PROMPT_TOKENS, mc.vocab_size, seed=batch)
-    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
-    llm.reset_prefix_cache()
-    steps, unsubscribe = _collect(llm)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t
-    unsubscribe()
+    steps, wall = timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=output_tokens,
+                                                              ignore_eos=True))
     decode = [s for s in steps if s.phase == "decode"]
     # Decode step k (from 0) of a full batch reads the K/V of PROMPT_TOKENS + k + 1 tokens per request.
     floors = [(weights + kv_per_token * s.num_seqs * (PROMPT_TOKENS + k + 1)) / bandwidth
@@ -144,13 +145,7 @@ def prefill_run(llm, count: int, length: int, rate: float, profiled: bool = Fals
     mc = llm.model_config
     prompts = random_prompts(count, length, mc.vocab_size, seed=3)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.reset_prefix_cache()
-    steps, unsubscribe = _collect(llm)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t
-    unsubscribe()
+    steps, wall = timed_generate(llm, prompts, params)
     flops = prefill_flops(mc, [len(p) for p in prompts])
     result = {"prompts": count, "prompt_tokens": length, "wall_s": wall, "steps": len(steps),
               "flops": flops, "tflops": flops / wall / 1e12, "share_of_matmul": flops / wall / rate,

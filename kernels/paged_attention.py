@@ -282,6 +282,24 @@ def _attend_tiles(
 
 
 @triton.jit
+def _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache_ptr, bt_row, dims, kv_head,
+                   scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query block ``m_block`` (its ``rows``, token ``ctx + row`` of the sequence) over its visible keys:
+    those up to the block's first query position, visible to every row, unmasked (every one is below
+    ``k_len``: the block has a row, so ``ctx + m_block * BLOCK_M < k_len``), then the diagonal masked."""
+    unmasked_hi = (ctx + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(k_len, ctx + (m_block + 1) * BLOCK_M)
+    q_pos = ctx + rows
+    acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, 0, unmasked_hi, k_len, dims,
+                              kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N,
+                              False, DOT_PRECISION)
+    return _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, unmasked_hi, hi, k_len, dims,
+                         kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, True,
+                         DOT_PRECISION)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -320,7 +338,6 @@ def _prefill_kernel(
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
-    q_pos = ctx + rows
     dims = tl.arange(0, HEAD_DIM)
     tok = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * q_stride_tok + head * q_stride_head + dims[None, :],
@@ -330,15 +347,9 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    # Keys up to the block's first query position are visible to every row: no mask needed there.
-    unmasked_hi = (ctx + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(k_len, ctx + (m_block + 1) * BLOCK_M)
-    acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, 0, unmasked_hi,
-                              k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                              kv_stride_head, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-    acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, unmasked_hi, hi,
-                              k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                              kv_stride_head, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+    acc, m, l = _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache_ptr, bt_row, dims,
+                               kv_head, scale_log2, kv_stride_block, kv_stride_slot, kv_stride_head, BLOCK_SIZE,
+                               BLOCK_M, BLOCK_N, DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * o_stride_tok + head * o_stride_head + dims[None, :],

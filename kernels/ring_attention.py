@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import _attend_tiles, _check_cache, _dot_precision
+from kernels.paged_attention import _attend_causal, _attend_tiles, _check_cache, _dot_precision
 
 _LOG2E = 1.4426950408889634
 
@@ -66,16 +66,9 @@ def _partial_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if CAUSAL:
         # Query row i is the part's token k_len - q_len + i: the mask is aligned to the end.
-        ctx = k_len - q_len
-        q_pos = ctx + rows
-        unmasked_hi = (ctx + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(k_len, ctx + (m_block + 1) * BLOCK_M)
-        acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, 0, unmasked_hi,
-                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-        acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, unmasked_hi, hi,
-                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+        acc, m, l = _attend_causal(acc, m, l, q, rows, m_block, k_len - q_len, k_len, k_cache_ptr, v_cache_ptr,
+                                   bt_ptr, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
+                                   kv_stride_head, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION)
     else:
         # Every key precedes every query: whole tiles need no mask, the last one only its length's.
         full = k_len // BLOCK_N * BLOCK_N

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import pickle
@@ -261,10 +262,8 @@ class AsyncEngine:
 
     def _send_quietly(self, message: Any) -> None:
         """A send nobody waits on: if the engine is gone, the reader will say so to everyone."""
-        try:
+        with contextlib.suppress(EngineDeadError):
             self._send(message)
-        except EngineDeadError:
-            pass
 
     async def snapshot(self) -> Snapshot:
         """The engine's requests and blocks as they stand between two of its steps."""
