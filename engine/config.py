@@ -41,6 +41,9 @@ class Config:
     max_waiting_requests: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # Tensor parallelism on CUDA sums row-parallel products with NCCL's all-reduce instead of the
+    # one-shot one fused into the next norm (models.all_reduce); vLLM's option of that name.
+    disable_custom_all_reduce: bool = False
     enforce_eager: bool = False
     # Schedule and prepare decode step n+1 while the GPU runs step n (see engine.llm_engine).
     async_scheduling: bool = True

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 # their reasons.
 # Version 6, CPU-offload mode: ``engine_started`` has ``enable_cpu_offload``; ``ring_transfer`` and
 # ``ring_step`` are new.
-SCHEMA_VERSION = 6
+# Version 7: ``engine_started`` has ``all_reduce``, how tensor-parallel ranks sum their products.
+SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,8 @@ class EngineStarted(Event):
     enable_prefix_caching: bool
     enforce_eager: bool
     tensor_parallel_size: int
+    # How the ranks sum row-parallel products: one-shot (models.all_reduce), nccl or gloo; None at TP=1.
+    all_reduce: str | None
     gpu_memory_utilization: float
     # The host KV tier: 0 blocks when off; the size as given in GiB (None when given in blocks).
     # With ``enable_cpu_offload`` the host pool holds every block and ``num_blocks`` is the GPU ring.

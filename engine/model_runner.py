@@ -34,6 +34,7 @@ from engine.sequence import PLACEHOLDER, Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
 from models.context import Context, reset_context, set_context
+from models.all_reduce import OneShotAllReduce, attach_all_reduce
 from models.loader import build_model, load_model
 from models.sampler import Sampler, SamplingMetadata, row_seed
 
@@ -123,6 +124,12 @@ class ModelRunner:
         self.model = build_model(model_config, dtype=self.dtype, device=self.device)
         load_model(self.model, config.model)
         self.model.eval()
+        self.all_reduce: OneShotAllReduce | None = None
+        if config.tensor_parallel_size > 1 and self.device.type == "cuda" and not config.disable_custom_all_reduce:
+            # Before the KV pool is sized: the buffers are the all-reduce's whole memory.
+            self.all_reduce = OneShotAllReduce(max(config.max_num_batched_tokens, config.max_num_seqs),
+                                               model_config.hidden_size, self.dtype, self.device)
+            attach_all_reduce(self.model, self.all_reduce)
         self.backend = select_attention_backend(self.device, self.block_size)
         set_attention_backend(self.model, self.backend)
         self.sampler = Sampler(config.seed)
@@ -521,5 +528,10 @@ class ModelRunner:
             meta.banned = (self._tensor(banned_rows, np.int64), self._tensor(banned_ids, np.int64))
         return meta
 
-    def describe(self) -> dict[str, str]:
-        return {"device": str(self.device), "dtype": dtype_name(self.dtype), "attention_backend": self.backend.name}
+    def describe(self) -> dict[str, str | None]:
+        if self.config.tensor_parallel_size == 1:
+            all_reduce = None
+        else:
+            all_reduce = "one-shot" if self.all_reduce is not None else dist.get_backend()
+        return {"device": str(self.device), "dtype": dtype_name(self.dtype), "attention_backend": self.backend.name,
+                "all_reduce": all_reduce}

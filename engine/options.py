@@ -51,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
                    help="refuse new requests while N wait (queue_full); 'none' for no limit (default: %(default)s)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks to shard the model over: GPUs on CUDA, processes on the CPU (default: %(default)s)")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="tensor parallelism on CUDA: NCCL's all-reduce instead of the one-shot one fused into the norm")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no host/GPU overlap)")
@@ -197,7 +199,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_waiting_requests=args.max_waiting_requests,
                 enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                 enable_prefix_caching=not args.no_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, kv_offloading_size=args.kv_offloading_size,
+                tensor_parallel_size=args.tensor_parallel_size,
+                disable_custom_all_reduce=args.disable_custom_all_reduce, kv_offloading_size=args.kv_offloading_size,
                 num_host_kvcache_blocks=args.num_host_kvcache_blocks,
                 kv_offloading_policy=args.kv_offloading_policy, preemption_mode=args.preemption_mode,
                 batching=args.batching, scheduling_policy=args.scheduling_policy,

@@ -20,7 +20,8 @@ CPU) keep the ranks in step.
 - Failure: a worker that raises reports its traceback on its own pipe and exits. A watchdog thread on
   rank 0 waits on those pipes and the processes' sentinels and records the first failure. A dead peer
   makes gloo collectives fail at once; NCCL ones would wait forever, so the watchdog aborts the NCCL
-  communicators. Either way the call raises ``WorkerError`` with the worker's error, and after any
+  communicators, and raises the abort word that ends the one-shot all-reduce's barriers
+  (``models.all_reduce``), which wait in a loop of their own. Either way the call raises ``WorkerError`` with the worker's error, and after any
   failed call the ranks are out of step: the group refuses further calls until it is closed.
 - CUDA graphs: the decode graphs hold the NCCL communicator (NCCL >= 2.26 counts the graphs that
   captured its collectives), and both its orderly teardown and its abort wait until every such graph
@@ -63,6 +64,7 @@ import torch.distributed as dist
 from engine.config import Config, ConfigError
 from engine.events import EventBus
 from engine.model_runner import ModelRunner, resolve_device
+from models.all_reduce import OneShotAllReduce
 from models.config import Qwen3Config
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,17 @@ def _rank_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
+def _choose_all_reduce(config: Config, device: torch.device) -> None:
+    """Fall back to NCCL's all-reduce where this process already set up the one-shot one
+    (``OneShotAllReduce.used``). Decided on rank 0 before the workers get the config: every rank
+    must sum the same way."""
+    if device.type == "cuda" and not config.disable_custom_all_reduce and OneShotAllReduce.used:
+        logger.warning("an earlier tensor-parallel engine of this process used the one-shot all-reduce, which "
+                       "torch's symmetric memory cannot set up twice in one process: this engine sums with NCCL "
+                       "(run each engine in a process of its own to keep the one-shot one)")
+        config.disable_custom_all_reduce = True
+
+
 def _init_process_group(device: torch.device, rank: int, world_size: int, store: dist.Store) -> None:
     if device.type != "cuda":
         with _gloo_on_loopback():
@@ -155,6 +168,7 @@ class TensorParallelGroup:
 
     def __init__(self, config: Config, model_config: Qwen3Config, events: EventBus) -> None:
         device = _rank_device(config, 0)
+        _choose_all_reduce(config, device)
         self._workers = _Workers(config.tensor_parallel_size, "nccl" if device.type == "cuda" else "gloo")
         # Holds only the workers, so an engine that is dropped without close() is still cleaned up.
         self._finalizer = weakref.finalize(self, self._workers.shutdown)
@@ -171,6 +185,8 @@ class TensorParallelGroup:
                 self.runner = ModelRunner(config, model_config, rank=0, events=events)
             # The runner captures into this dict later; the workers' side destroys what it holds.
             self.runner.graphs = self._workers.graphs
+            if self.runner.all_reduce is not None:
+                self._workers.all_reduce_abort = self.runner.all_reduce.abort
         except BaseException:
             self.close()
             raise
@@ -231,6 +247,8 @@ class _Workers:
         self.store: dist.TCPStore | None = None
         # Rank 0's captured CUDA graphs (installed as the runner's dict), destroyed before the group.
         self.graphs = _GuardedGraphs()
+        # Rank 0's one-shot all-reduce's abort word (models.all_reduce), raised when peers are gone.
+        self.all_reduce_abort: torch.Tensor | None = None
         self.owns_process_group = False
         self.failure: str | None = None
         self.failed = threading.Event()
@@ -301,6 +319,7 @@ class _Workers:
     def _fail(self, message: str) -> None:
         self.failure = message
         self.failed.set()
+        self._abort_all_reduce()
         if self.backend == "nccl" and self.owns_process_group:
             # An NCCL collective with a dead peer never completes: abort the communicators so that
             # rank 0's pending work returns and the call can raise.
@@ -309,6 +328,12 @@ class _Workers:
                                          self.graphs)
             except Exception:
                 logger.exception("aborting the NCCL process group after a worker failure failed")
+
+    def _abort_all_reduce(self) -> None:
+        # The one-shot all-reduce's barriers wait on their peers in a loop of their own, which only
+        # this word ends (kernels.all_reduce); NCCL's abort does not reach them.
+        if self.all_reduce_abort is not None:
+            self.all_reduce_abort.fill_(1)
 
     def send(self, payload: bytes) -> None:
         for conn in self.commands:
@@ -344,6 +369,7 @@ class _Workers:
         self.owns_process_group = False
         if self.backend == "nccl" and not orderly:
             # Peers are gone or stuck mid-collective: an orderly NCCL teardown would wait for them.
+            self._abort_all_reduce()
             _abort_destroying_graphs(dist.distributed_c10d._abort_process_group, self.graphs)
         else:
             _release_cuda_graphs(self.graphs)

@@ -8,6 +8,7 @@ from torch import nn
 
 from kernels.reference import add_rms_norm_ref, rms_norm_ref
 from kernels.rms_norm import rms_norm
+from models.all_reduce import RankSum
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +18,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | RankSum, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``; on CUDA
-        ``x`` may then be split-K partial products, summed first (``kernels.rms_norm``)."""
+        ``x`` may then be split-K partial products, or every rank's term of a row-parallel product
+        (``RankSum``), summed first (``kernels.rms_norm``)."""
+        if isinstance(x, RankSum):
+            return rms_norm(x.local, self.weight, self.eps, residual, ranks=x.ranks)
         if x.is_cuda:
             out, new_residual = rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)

@@ -7,12 +7,17 @@ never needs to know how a layer is sharded.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from models.parallel import check_shape, divide, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from models.all_reduce import OneShotAllReduce, RankSum
 
 
 class _ParallelLinear(nn.Module):
@@ -95,10 +100,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """Input features split across ranks; partial products are summed with an all-reduce."""
+    """Input features split across ranks; partial products are summed with an all-reduce: NCCL's, or
+    with ``all_reduce`` set (``models.all_reduce``) the one-shot one that the next norm completes."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(divide(input_size, tp_size(), "input_size"), output_size, bias)
+        self.all_reduce: OneShotAllReduce | None = None
+        self.all_reduce_slot = 0
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is replicated, and added once (by rank 0) before the reduce
@@ -109,8 +117,13 @@ class RowParallelLinear(_ParallelLinear):
         check_shape(loaded_weight.shape, (param.shape[0], shard * self.tp_size))
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | RankSum:
+        """The summed product, or with ``all_reduce`` set this rank's term of it (a ``RankSum``, for
+        an ``RMSNorm``)."""
+        bias = self.bias if self.tp_rank == 0 else None
+        if self.all_reduce is not None:
+            return self.all_reduce.product(x, self.weight, bias, self.all_reduce_slot)
+        y = F.linear(x, self.weight, bias)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -11,6 +11,7 @@ from torch import nn
 
 from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits, skinny_gemm_partials, split_k_fits
 from models.activation import SiluAndMul
+from models.all_reduce import RankSum
 from models.attention import Attention
 from models.config import Qwen3Config
 from models.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -19,12 +20,13 @@ from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPara
 from models.rotary import RotaryEmbedding
 
 
-def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor | RankSum:
     """The output of o_proj or down_proj, which always goes on into the next RMSNorm's residual add.
 
     At decode sizes on one GPU that is the product's float32 split-K partials ``[splits, rows,
     hidden]``: the norm adds them up as it loads them, so splitting K (which fills the GPU where
-    cuBLAS leaves it idle) needs no reduction kernel."""
+    cuBLAS leaves it idle) needs no reduction kernel. Under tensor parallelism with the one-shot
+    all-reduce it is this rank's term of the sum, which the norm completes (``models.all_reduce``)."""
     if proj.tp_size == 1 and proj.bias is None and split_k_fits(x, proj.weight):
         return skinny_gemm_partials(x, proj.weight)
     return proj(x)

@@ -176,7 +176,7 @@ class FakeEngine:
             attention_backend="fake", block_size=config.kvcache_block_size, num_blocks=config.num_kvcache_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
-            enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size,
+            enforce_eager=config.enforce_eager, tensor_parallel_size=config.tensor_parallel_size, all_reduce=None,
             gpu_memory_utilization=config.gpu_memory_utilization, num_cpu_blocks=config.num_host_kvcache_blocks,
             kv_offloading_size=None, enable_cpu_offload=config.enable_cpu_offload,
             kv_offloading_policy=config.kv_offloading_policy,

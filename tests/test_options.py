@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import Config
 from engine.options import (
     LIVE_DEFAULTS,
     OptionError,
     add_engine_args,
     add_workload_args,
     check_args,
+    engine_kwargs,
     parse_checked,
 )
 from experiments import cuda_graphs
@@ -162,3 +164,10 @@ def test_cuda_graphs_quick_help_says_what_it_does(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--quick CI size on the GPU: the tiny preset" in help_text
     assert "on the CPU (with the default tiny preset" not in help_text
+
+
+def test_the_all_reduce_option_reaches_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not Config(**engine_kwargs(parser.parse_args([]))).disable_custom_all_reduce
+    assert Config(**engine_kwargs(parser.parse_args(["--disable-custom-all-reduce"]))).disable_custom_all_reduce

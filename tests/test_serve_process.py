@@ -31,8 +31,9 @@ def test_a_signal_aborts_what_is_in_flight_and_frees_the_port(tiny_checkpoint, s
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert "aborted    1 still in flight when the run stopped" in output
-    with socket.socket() as again:
-        again.bind(("127.0.0.1", server.port))  # released
+    # Released: nothing listens there (a bind could still fail on a connection in TIME_WAIT).
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
 
 
 def test_usage_errors_are_one_line_before_anything_loads(tiny_checkpoint, tmp_path):

@@ -26,10 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError
+from engine.config import Config, ConfigError
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from engine.tensor_parallel import WorkerError
+from engine.tensor_parallel import WorkerError, _choose_all_reduce
+from models.all_reduce import OneShotAllReduce
 from tests.test_engine import GAP, MAX_TOKENS, greedy, prompts, reference, teacher_forced_mismatches  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def test_two_ranks_give_the_single_rank_greedy_tokens(name, tiny_checkpoint, pro
     assert first == again == reference == runs[1][0] == runs[1][1]
     # Only rank 0 emits, and it makes the single rank's decisions.
     started = [e for e in events if e.kind == "engine_started"]
-    assert len(started) == 1 and started[0].tensor_parallel_size == 2
+    assert len(started) == 1 and started[0].tensor_parallel_size == 2 and started[0].all_reduce == "gloo"
     assert [e.kind for e in events] == [e.kind for e in runs[1][2]]
     kinds = {e.kind for e in events}
     if name == "preemption":
@@ -258,3 +259,18 @@ def test_two_engines_side_by_side_and_ctrl_c_leaves_nothing(tiny_checkpoint, pro
             other.kill()
         assert "KeyboardInterrupt" in stderr
         assert not any(alive(pid) for pid in result["workers"])
+
+
+def test_an_engine_after_a_one_shot_one_in_this_process_sums_with_nccl(monkeypatch, caplog):
+    # torch's symmetric memory rendezvous hangs the second time in a process (models.all_reduce):
+    # rank 0 decides before its workers start, and says why.
+    gpu = torch.device("cuda", 0)
+    config = Config(tensor_parallel_size=2)
+    _choose_all_reduce(config, gpu)
+    assert not config.disable_custom_all_reduce  # the first engine of a process keeps it
+    monkeypatch.setattr(OneShotAllReduce, "used", True)
+    _choose_all_reduce(config, torch.device("cpu"))
+    assert not config.disable_custom_all_reduce  # gloo ranks never use it
+    with caplog.at_level("WARNING", logger="engine.tensor_parallel"):
+        _choose_all_reduce(config, gpu)
+    assert config.disable_custom_all_reduce and "sums with NCCL" in caplog.text

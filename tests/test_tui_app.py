@@ -30,7 +30,7 @@ from tui.app import MAX_EVENTS_PER_TICK, SEEK_STEPS, DashboardApp
 from tui.sources import EngineError, LiveSource, ReplaySource, ScriptedSource
 from tui.state import DashboardState
 from tui.widgets.event_feed import EventFeed, FeedLines
-from tui.widgets.header import HeaderBar
+from tui.widgets.header import HeaderBar, header_parts
 from tui import palette
 from tui.widgets.help import HelpScreen
 from tui.widgets.timeline import StepTimeline
@@ -629,3 +629,15 @@ def test_command_line():
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2, argv
+
+
+def test_the_header_names_tensor_parallelism_and_its_all_reduce():
+    from tests.test_tui_state import started
+
+    state = DashboardState()
+    state.apply(started())
+    one = "".join(text.plain for _, text in header_parts(state, "", None))
+    assert "TP=" not in one
+    state.apply(dataclasses.replace(started(), device="cuda:0", tensor_parallel_size=2, all_reduce="one-shot"))
+    two = "".join(text.plain for _, text in header_parts(state, "", None))
+    assert "cuda:0 · float32 · torch · TP=2 (one-shot all-reduce)" in two

@@ -37,7 +37,7 @@ def started(num_blocks: int = 8, t: float = 100.0) -> EngineStarted:
     return EngineStarted(t=t, step=0, model="/ckpt/tiny", device="cpu", dtype="float32", attention_backend="torch",
                          block_size=16, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64,
                          max_model_len=256, enable_prefix_caching=True, enforce_eager=True,
-                         tensor_parallel_size=1, gpu_memory_utilization=0.9, num_cpu_blocks=0,
+                         tensor_parallel_size=1, all_reduce=None, gpu_memory_utilization=0.9, num_cpu_blocks=0,
                          kv_offloading_size=None, enable_cpu_offload=False, kv_offloading_policy="write-through",
                          preemption_mode="recompute", batching="prefill-first",
                          scheduling_policy="fcfs", wall_time=0.0)

@@ -35,6 +35,8 @@ def header_parts(state: DashboardState, status: str, now: float | None) -> list[
         model = engine.model.rstrip("/").rsplit("/", 1)[-1]
         parts.append((6, Text(f" {model}", style="bold")))
         details = Text(f" · {engine.device} · {engine.dtype} · {engine.attention_backend}")
+        if engine.tensor_parallel_size > 1:
+            details.append(f" · TP={engine.tensor_parallel_size} ({engine.all_reduce} all-reduce)")
         details.append(" · cuda graphs" if state.graph_batch_sizes else " · eager",
                        style=palette.GRAPH if state.graph_batch_sizes else "")
         parts.append((0, details))

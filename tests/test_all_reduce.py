@@ -1,0 +1,133 @@
+"""The one-shot all-reduce's two kernels, with every rank in this process: the norm that sums each
+rank's term where it lies (against the pure-torch norm of the sum), and the barrier's flag protocol.
+The interpreter runs them on CPU-only machines, ``-m gpu`` compiled; two real ranks on two GPUs
+are ``tests/test_tensor_parallel_gpu.py``'s."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kernels.all_reduce import symmetric_barrier
+from kernels.reference import add_rms_norm_ref
+from kernels.rms_norm import rms_norm
+
+
+def addresses(tensors: list[torch.Tensor], device: str) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+def check_norm_across_ranks(world: int, num_rows: int, n: int, dtype: torch.dtype, device: str) -> None:
+    gen = torch.Generator().manual_seed(world * 100 + num_rows)
+    # One allocation per rank, as each rank's symmetric buffer is.
+    terms = [(torch.randn(num_rows, n, generator=gen) * 2).to(dtype=dtype, device=device) for _ in range(world)]
+    residual = (torch.randn(num_rows, n, generator=gen) * 4).to(dtype=dtype, device=device)
+    weight = (torch.rand(n, generator=gen) + 0.5).to(dtype=dtype, device=device)
+    before = [t.clone() for t in terms]
+    out, new_residual = rms_norm(terms[0], weight, 1e-6, residual, ranks=addresses(terms, device))
+    # The oracle: the terms summed in float32 in rank order and rounded once, then add + norm.
+    total = torch.stack([t.float() for t in terms]).sum(0).to(dtype)
+    ref, ref_residual = add_rms_norm_ref(total, residual, weight, 1e-6)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out, ref, atol=eps, rtol=2 * eps)
+    torch.testing.assert_close(new_residual, ref_residual, atol=eps, rtol=2 * eps)
+    assert all(torch.equal(t, b) for t, b in zip(terms, before))
+    # Whichever rank's term is passed as x, the result is the same: every rank holds one sum.
+    other, _ = rms_norm(terms[-1], weight, 1e-6, residual, ranks=addresses(terms, device))
+    assert torch.equal(other, out)
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("world,num_rows,n", [(2, 1, 64), (2, 7, 100), (4, 5, 256)])
+def test_norm_sums_every_ranks_term_cpu(world: int, num_rows: int, n: int) -> None:
+    check_norm_across_ranks(world, num_rows, n, torch.float16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("world,num_rows,n", [(2, 1, 2560), (2, 256, 2560), (2, 4096, 1024), (4, 33, 4096)])
+def test_norm_sums_every_ranks_term_gpu(world: int, num_rows: int, n: int) -> None:
+    check_norm_across_ranks(world, num_rows, n, torch.bfloat16, "cuda")
+
+
+def test_norm_across_ranks_refuses_what_it_cannot_sum() -> None:
+    x, weight = torch.randn(4, 64), torch.ones(64)
+    with pytest.raises(ValueError, match="needs a residual"):
+        rms_norm(x, weight, 1e-6, ranks=addresses([x, x], "cpu"))
+    with pytest.raises(ValueError, match="int64"):
+        rms_norm(x, weight, 1e-6, torch.randn(4, 64), ranks=torch.zeros(2, dtype=torch.int32))
+
+
+def flag_buffers(world: int, device: str) -> list[torch.Tensor]:
+    """Each rank's buffer: the arrivals of every rank seen by it, then its own count."""
+    return [torch.zeros(world + 1, dtype=torch.int32, device=device) for _ in range(world)]
+
+
+def check_barrier_protocol(device: str, abort: torch.Tensor) -> None:
+    flags = flag_buffers(2, device)
+    table = addresses(flags, device)
+    # Rank 1 has arrived once, as its barrier would have recorded it: rank 0 passes its first
+    # barrier and records its own arrival in rank 1's buffer.
+    flags[0][1] = flags[1][2] = 1
+    symmetric_barrier(table, abort, rank=0)
+    assert flags[0].tolist() == [0, 1, 1] and flags[1].tolist() == [1, 0, 1]
+    # Rank 1 arrives a second time, after rank 0's second arrival (recorded here as it would be).
+    flags[1][0] += 1
+    symmetric_barrier(table, abort, rank=1)
+    assert flags[0].tolist() == [0, 2, 1] and flags[1].tolist() == [2, 0, 2]
+    # Three ranks: each waits for both others.
+    flags = flag_buffers(3, device)
+    flags[2][0] = flags[2][1] = 1
+    symmetric_barrier(addresses(flags, device), abort, rank=2)
+    assert [f.tolist() for f in flags] == [[0, 0, 1, 0], [0, 0, 1, 0], [1, 1, 0, 1]]
+    # Counts wrap around: 2**31 - 1 arrivals, then the next.
+    flags = flag_buffers(2, device)
+    flags[0][2] = flags[1][2] = flags[1][0] = 2**31 - 1
+    flags[0][1] = -2**31  # rank 1's 2**31-th arrival, wrapped
+    symmetric_barrier(addresses(flags, device), abort, rank=0)
+    assert flags[0][2] == -2**31 and flags[1][0] == -2**31
+
+
+@pytest.mark.usefixtures("cpu")
+def test_barrier_flag_protocol_cpu() -> None:
+    check_barrier_protocol("cpu", torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.usefixtures("cpu")
+def test_an_aborted_barrier_returns_without_its_peers_cpu() -> None:
+    flags = flag_buffers(2, "cpu")
+    # The peer never arrives: only the abort word ends the wait, after this rank's arrival counted.
+    symmetric_barrier(addresses(flags, "cpu"), torch.ones(1, dtype=torch.int32), rank=0)
+    assert flags[0].tolist() == [0, 0, 1] and flags[1].tolist() == [1, 0, 0]
+
+
+def test_barrier_refuses_a_rank_outside_the_table() -> None:
+    with pytest.raises(ValueError, match="rank 2"):
+        symmetric_barrier(torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), rank=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
+    abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    check_barrier_protocol("cuda", abort)
+    # A barrier whose peer never comes spins on the GPU until the host raises the pinned word.
+    flags = flag_buffers(2, "cuda")
+    raised = []
+
+    def raise_abort() -> None:
+        time.sleep(0.3)
+        raised.append(time.perf_counter())
+        abort.fill_(1)
+
+    thread = threading.Thread(target=raise_abort)
+    thread.start()
+    symmetric_barrier(addresses(flags, "cuda"), abort, rank=0)
+    torch.cuda.synchronize()
+    returned = time.perf_counter()
+    thread.join()
+    assert raised and returned >= raised[0]
+    assert flags[0].tolist() == [0, 0, 1] and flags[1].tolist() == [1, 0, 0]
