@@ -113,7 +113,9 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: Config, model_config: Qwen3Config, rank: int = 0,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, all_reduce_abort: torch.Tensor | None = None) -> None:
+        """``all_reduce_abort``: the pinned word that ends this rank's one-shot all-reduce barriers
+        (``models.all_reduce``; rank 0's is raised by the tensor-parallel watchdog)."""
         self.config = config
         self.events = events or EventBus()
         self.model_config = model_config
@@ -128,7 +130,7 @@ class ModelRunner:
         if config.tensor_parallel_size > 1 and self.device.type == "cuda" and not config.disable_custom_all_reduce:
             # Before the KV pool is sized: the buffers are the all-reduce's whole memory.
             self.all_reduce = OneShotAllReduce(max(config.max_num_batched_tokens, config.max_num_seqs),
-                                               model_config.hidden_size, self.dtype, self.device)
+                                               model_config.hidden_size, self.dtype, self.device, all_reduce_abort)
             attach_all_reduce(self.model, self.all_reduce)
         self.backend = select_attention_backend(self.device, self.block_size)
         set_attention_backend(self.model, self.backend)

@@ -20,8 +20,9 @@ CPU) keep the ranks in step.
 - Failure: a worker that raises reports its traceback on its own pipe and exits. A watchdog thread on
   rank 0 waits on those pipes and the processes' sentinels and records the first failure. A dead peer
   makes gloo collectives fail at once; NCCL ones would wait forever, so the watchdog aborts the NCCL
-  communicators, and raises the abort word that ends the one-shot all-reduce's barriers
-  (``models.all_reduce``), which wait in a loop of their own. Either way the call raises ``WorkerError`` with the worker's error, and after any
+  communicators, and raises the abort word that ends rank 0's one-shot all-reduce barriers
+  (``models.all_reduce``), which wait in a loop of their own (workers still waiting in one are
+  terminated at shutdown). Either way the call raises ``WorkerError`` with the worker's error, and after any
   failed call the ranks are out of step: the group refuses further calls until it is closed.
 - CUDA graphs: the decode graphs hold the NCCL communicator (NCCL >= 2.26 counts the graphs that
   captured its collectives), and both its orderly teardown and its abort wait until every such graph
@@ -182,11 +183,10 @@ class TensorParallelGroup:
             self._workers.owns_process_group = True
             self._workers.watch()
             with self._in_step():
-                self.runner = ModelRunner(config, model_config, rank=0, events=events)
+                self.runner = ModelRunner(config, model_config, rank=0, events=events,
+                                          all_reduce_abort=self._workers.all_reduce_abort)
             # The runner captures into this dict later; the workers' side destroys what it holds.
             self.runner.graphs = self._workers.graphs
-            if self.runner.all_reduce is not None:
-                self._workers.all_reduce_abort = self.runner.all_reduce.abort
         except BaseException:
             self.close()
             raise
@@ -248,7 +248,8 @@ class _Workers:
         # Rank 0's captured CUDA graphs (installed as the runner's dict), destroyed before the group.
         self.graphs = _GuardedGraphs()
         # Rank 0's one-shot all-reduce's abort word (models.all_reduce), raised when peers are gone.
-        self.all_reduce_abort: torch.Tensor | None = None
+        # Made before rank 0's runner, whose start-up (the profiling prefill) already waits on peers.
+        self.all_reduce_abort = torch.zeros(1, dtype=torch.int32, pin_memory=True) if backend == "nccl" else None
         self.owns_process_group = False
         self.failure: str | None = None
         self.failed = threading.Event()

@@ -11,8 +11,9 @@ cannot merge two arrivals; they are compared modulo 2**32.
 
 A peer that died never arrives. NCCL stops a kernel stuck on a dead peer when its communicator is
 aborted; this kernel stops when the word at ``abort_ptr`` (pinned host memory, which the GPU reads
-across the bus while it spins) is nonzero, which the engine's watchdog sets when a worker dies. The
-ranks are then out of step and the engine refuses further steps, so returning is safe.
+across the bus every ``ABORT_EVERY`` spins) is nonzero, which the engine's watchdog sets on rank 0
+when a worker dies. The ranks are then out of step and the engine refuses further steps, so
+returning is safe.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+ABORT_EVERY: tl.constexpr = tl.constexpr(64)  # spins between two reads of the abort word
 
 
 @triton.jit
@@ -34,10 +37,14 @@ def _barrier_kernel(flag_ptrs, abort_ptr, RANK: tl.constexpr, WORLD: tl.constexp
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             seen = tl.atomic_add(mine + peer, 0, sem="acquire", scope="sys")
+            spins = 0
             while seen - arrivals < 0:
-                aborted = tl.load(abort_ptr, volatile=True)
                 seen = tl.atomic_add(mine + peer, 0, sem="acquire", scope="sys")
-                seen = tl.where(aborted != 0, arrivals, seen)
+                spins += 1
+                # A read of host memory crosses PCIe, slower than a spin: not on every one.
+                if spins % ABORT_EVERY == 0:
+                    if tl.load(abort_ptr, volatile=True) != 0:
+                        seen = arrivals
 
 
 def symmetric_barrier(flag_ptrs: torch.Tensor, abort: torch.Tensor, rank: int) -> None:

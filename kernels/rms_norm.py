@@ -48,7 +48,8 @@ def _rms_norm_kernel(
         for rank in tl.static_range(RANKS):
             base = x_ptr
             if RANKS > 1:
-                base = tl.load(ranks_ptr + rank).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                # 16-byte aligned, as pointer arguments are known to be: the loads stay vectorised.
+                base = tl.multiple_of(tl.load(ranks_ptr + rank).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
             for split in tl.static_range(SPLITS):
                 x += tl.load(base + split * stride_split + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(out_ty)
@@ -70,15 +71,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     ``x`` may instead be a projection's float32 split-K partial products ``[splits, M, N]``
     (``kernels.skinny_gemm.skinny_gemm_partials``), which are summed and rounded to the residual's
     dtype first; a residual is then required. With ``ranks`` (int64: the address of each rank's
-    ``x``, all of one shape and layout) the sum runs over every rank's ``x`` too, and a residual is
-    required as well. Results are in the residual's dtype (else ``x``'s); rows must be contiguous in
+    ``x``, all of one shape and layout and 16-byte aligned) the sum runs over every rank's ``x`` too,
+    and a residual is required as well. Results are in the residual's dtype (else ``x``'s); rows must be contiguous in
     their last dimension."""
     partials = x.dim() == 3
     if x.dim() not in (2, 3) or x.stride(-1) != 1 or (partials and (x.dtype != torch.float32 or residual is None)):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be [rows, hidden], or float32 split-K partials "
                          "[splits, rows, hidden] with a residual, contiguous in its last dimension")
-    if ranks is not None and (residual is None or ranks.dtype != torch.int64 or ranks.device != x.device):
-        raise ValueError("summing across ranks needs a residual and the ranks' addresses as int64 on x's device")
+    if ranks is not None and (residual is None or ranks.dtype != torch.int64 or ranks.device != x.device
+                              or x.data_ptr() % 16):
+        raise ValueError("summing across ranks needs a residual and the ranks' addresses, 16-byte aligned, as "
+                         "int64 on x's device")
     num_rows, n = x.shape[-2:]
     if weight.shape != (n,) or weight.stride(0) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} must be a contiguous [{n}] vector")

@@ -6,7 +6,8 @@ at TP=2 on two H100s: 0.5-1.1 ms of a 3-8 ms step). Here each rank writes its pa
 a buffer in symmetric memory (``torch.distributed._symmetric_memory``: every rank maps every rank's
 buffer), the ranks meet at a barrier (``kernels.all_reduce``), and the next norm adds every rank's
 partial as it loads each row (``kernels.rms_norm`` with ``ranks``): one small kernel instead of
-NCCL's, and no sum written back (the 4B yardstick on two H100s: 16,915 tok/s against NCCL's 15,885).
+NCCL's, and no sum written back (the 4B yardstick on two H100s: 16,915 tok/s against NCCL's 15,885,
+with an earlier barrier that took two NVLink round trips).
 vLLM's custom all-reduce and SGLang's are the same idea as CUDA code of their own, outside the norm.
 
 The buffer has two slots, and consecutive all-reduces alternate between them (``attach_all_reduce``
@@ -50,12 +51,16 @@ class OneShotAllReduce:
 
     used = False
 
-    def __init__(self, max_rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 abort: torch.Tensor | None = None) -> None:
         group = dist.group.WORLD.group_name
         OneShotAllReduce.used = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.max_rows, self.hidden_size, self.dtype = max_rows, hidden_size, dtype
         self.slot_elements = max_rows * hidden_size
+        if (hidden_size * dtype.itemsize) % 16:
+            raise ValueError(f"hidden_size={hidden_size} rows of {dtype} are not 16-byte aligned: the norm's "
+                             "vector loads of other ranks' rows assume they are")
         self.buffer = symm_mem.empty(SLOTS * self.slot_elements, dtype=dtype, device=device)
         buffers = symm_mem.rendezvous(self.buffer, group).buffer_ptrs
         # The flags must be zero before any peer can arrive, and peers arrive once the rendezvous
@@ -64,12 +69,17 @@ class OneShotAllReduce:
         self.flags.zero_()
         torch.cuda.synchronize(device)
         flags = symm_mem.rendezvous(self.flags, group).buffer_ptrs
+        # The tables address each rank's tensor by its allocation's base: true where each symmetric
+        # allocation is a tensor of its own.
+        if buffers[self.rank] != self.buffer.data_ptr() or flags[self.rank] != self.flags.data_ptr():
+            raise RuntimeError("torch's symmetric memory placed a buffer inside a shared allocation: "
+                               "run with --disable-custom-all-reduce")
         slot_bytes = self.slot_elements * dtype.itemsize
         self.slot_ptrs = [torch.tensor([base + slot * slot_bytes for base in buffers], dtype=torch.int64, device=device)
                           for slot in range(SLOTS)]
         self.flag_ptrs = torch.tensor(flags, dtype=torch.int64, device=device)
         # Raised by the engine's watchdog when a worker dies: barriers waiting for it return.
-        self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.abort = abort if abort is not None else torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> RankSum:
         """``x @ weight.T (+ bias)`` on this rank, written where every rank can read it, once all
@@ -92,5 +102,8 @@ def attach_all_reduce(model: nn.Module, all_reduce: OneShotAllReduce) -> None:
     """Route the all-reduces of ``model``'s row-parallel layers through ``all_reduce``, with slots
     alternating in the order the layers run (module order: each layer's o_proj, then its down_proj)."""
     layers = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    if len(layers) % SLOTS:
+        # The last product of a forward and the first of the next would share a slot.
+        raise ValueError(f"{len(layers)} row-parallel layers: the slots alternate only over an even number")
     for index, layer in enumerate(layers):
         layer.all_reduce, layer.all_reduce_slot = all_reduce, index % SLOTS

@@ -5,15 +5,25 @@ are ``tests/test_tensor_parallel_gpu.py``'s."""
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
-from kernels.all_reduce import symmetric_barrier
+from kernels.all_reduce import _barrier_kernel, symmetric_barrier
 from kernels.reference import add_rms_norm_ref
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import _rms_norm_kernel, rms_norm
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def addresses(tensors: list[torch.Tensor], device: str) -> torch.Tensor:
@@ -102,6 +112,18 @@ def test_an_aborted_barrier_returns_without_its_peers_cpu() -> None:
     # The peer never arrives: only the abort word ends the wait, after this rank's arrival counted.
     symmetric_barrier(addresses(flags, "cpu"), torch.ones(1, dtype=torch.int32), rank=0)
     assert flags[0].tolist() == [0, 0, 1] and flags[1].tolist() == [1, 0, 0]
+    # Across the wrap the peer is one arrival behind (2**31 - 1 against this rank's -2**31): it must
+    # wait (a plain "seen < arrivals" would let it through), so again only the abort ends it.
+    flags = flag_buffers(2, "cpu")
+    flags[0][1] = flags[0][2] = 2**31 - 1
+    abort = torch.zeros(1, dtype=torch.int32)
+    waiting = threading.Thread(target=symmetric_barrier, args=(addresses(flags, "cpu"), abort, 0))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive()
+    abort[0] = 1
+    waiting.join(30)
+    assert not waiting.is_alive() and flags[0][2] == -2**31
 
 
 def test_barrier_refuses_a_rank_outside_the_table() -> None:
@@ -109,9 +131,7 @@ def test_barrier_refuses_a_rank_outside_the_table() -> None:
         symmetric_barrier(torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), rank=2)
 
 
-@pytest.mark.gpu
-@pytest.mark.usefixtures("gpu")
-def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
+def check_barrier_on_the_gpu() -> None:
     abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
     check_barrier_protocol("cuda", abort)
     # A barrier whose peer never comes spins on the GPU until the host raises the pinned word.
@@ -131,3 +151,60 @@ def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
     thread.join()
     assert raised and returned >= raised[0]
     assert flags[0].tolist() == [0, 0, 1] and flags[1].tolist() == [1, 0, 0]
+    print("barrier ok", flush=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
+    # In a process of its own: a barrier that never returns would otherwise hang the suite.
+    code = "from tests.test_all_reduce import check_barrier_on_the_gpu; check_barrier_on_the_gpu()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0 and "barrier ok" in result.stdout, result.stderr[-3000:]
+
+
+def hopper_ptx(kernel, signature: dict[str, str], constexprs: dict[str, object], aligned: tuple[int, ...],
+               num_warps: int) -> str:
+    """``kernel`` compiled for an H100 (sm_90) on this machine, no GPU needed: its PTX. (Run in a
+    process without the interpreter, which patches ``triton.language`` once it has run a kernel.)"""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+                       constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def global_loads(ptx: str) -> dict[str, int]:
+    return dict(collections.Counter(re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()[0]
+                                    for line in ptx.splitlines() if "ld.global" in line))
+
+
+def compile_both_for_hopper() -> None:
+    """Prints what the test checks in the two kernels' PTX, as JSON."""
+    barrier = hopper_ptx(_barrier_kernel, {"flag_ptrs": "*i64", "abort_ptr": "*i32"}, {"RANK": 0, "WORLD": 2},
+                         aligned=(), num_warps=1)
+    norm = hopper_ptx(_rms_norm_kernel, {
+        "x_ptr": "*bf16", "ranks_ptr": "*i64", "residual_ptr": "*bf16", "residual_out_ptr": "*bf16",
+        "weight_ptr": "*bf16", "y_ptr": "*bf16", "n": "i32", "stride_split": "i32", "stride_x": "i32",
+        "stride_r": "i32", "stride_y": "i32", "eps": "fp32"},
+        {"SPLITS": 1, "RANKS": 2, "ADD_RESIDUAL": True, "BLOCK_N": 4096}, aligned=(0, 1, 2, 3, 4, 5, 6, 8, 9, 10),
+        num_warps=8)
+    print(json.dumps({"release": "atom.global.sys.release.add" in barrier,
+                      "acquire": "ld.global.sys.acquire" in barrier, "norm_loads": global_loads(norm)}))
+
+
+def test_the_kernels_compile_for_hopper_with_system_scope_atomics_and_vector_loads() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    code = "from tests.test_all_reduce import compile_both_for_hopper; compile_both_for_hopper()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**env, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    # Arrivals are released into the peer, and waited for with acquire, at system scope (across GPUs):
+    # the wait's atomic add of zero becomes an acquire load.
+    assert found["release"] and found["acquire"]
+    # Each rank's row, the residual and the weight in 16-byte loads; the two 8-byte loads are the
+    # ranks' addresses. Without the alignment hint on those addresses the rows load 2 bytes at a time.
+    assert found["norm_loads"] == {"ld.global.v4.b32": 8, "ld.global.b64": 2}
