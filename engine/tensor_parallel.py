@@ -181,6 +181,10 @@ class TensorParallelGroup:
             store = self._workers.start(config, model_config)
             _init_process_group(device, 0, config.tensor_parallel_size, store)
             self._workers.owns_process_group = True
+            if device.type == "cuda":
+                # Before rank 0's runner, whose start-up (the profiling prefill) already waits on peers;
+                # after set_device, so that pinning memory opens no context on another GPU.
+                self._workers.all_reduce_abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             self._workers.watch()
             with self._in_step():
                 self.runner = ModelRunner(config, model_config, rank=0, events=events,
@@ -248,8 +252,7 @@ class _Workers:
         # Rank 0's captured CUDA graphs (installed as the runner's dict), destroyed before the group.
         self.graphs = _GuardedGraphs()
         # Rank 0's one-shot all-reduce's abort word (models.all_reduce), raised when peers are gone.
-        # Made before rank 0's runner, whose start-up (the profiling prefill) already waits on peers.
-        self.all_reduce_abort = torch.zeros(1, dtype=torch.int32, pin_memory=True) if backend == "nccl" else None
+        self.all_reduce_abort: torch.Tensor | None = None
         self.owns_process_group = False
         self.failure: str | None = None
         self.failed = threading.Event()
