@@ -18,12 +18,12 @@ use each load slot's every layer as a *unit* of one layer's K/V of one block: a 
 K/V of up to half the load units (double buffering: one half is attended while the other fills; with
 one unit, single buffering). A 36-slot ring decoding a 32k context thus streams each layer's 128
 earlier blocks as one group instead of eight, and the host issues eight times fewer launches and
-waits a step (~200 us of host time a group) and half the copies (a group's units span four layers). The groups of every layer form one stream:
-groups 0 and 1 are copied in when the step begins, and group ``i + 2`` as soon as group ``i``'s
-attention releases its half, so copies run ahead of attention across layer boundaries; on the GPU
-each group's attention waits only for its own copy event. After the
-forward the chunk's K/V goes down to its host blocks, and the step lands when that copy has, so the
-next step's loads read it (this mode schedules synchronously).
+waits a step (~200 us of host time a group) and half the copies (a group's units span four layers).
+The groups of every layer form one stream: groups 0 and 1 are copied in when the step begins, and
+group ``i + 2`` as soon as group ``i``'s attention releases its half, so copies run ahead of
+attention across layer boundaries; on the GPU each group's attention waits only for its own copy
+event. After the forward the chunk's K/V goes down to its host blocks, and the step lands when that
+copy has, so the next step's loads read it (this mode schedules synchronously).
 
 Both pools keep a layer's K and V of a block side by side (``[layers, blocks, 2, block_size,
 kv_heads, head_dim]``), so a group's copy is one ``cudaMemcpyAsync`` per run of consecutive host

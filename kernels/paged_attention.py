@@ -61,13 +61,11 @@ def _load_kv_tile(
     if TILE <= BLOCK_SIZE:
         # ``start`` is a multiple of TILE, so the whole tile sits in one block: one table read.
         block = tl.load(bt_row_ptr + start // BLOCK_SIZE).to(tl.int64)
-        row = block * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
     elif FULL:
         block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
-        row = block * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
     else:
         block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
+    row = block * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
     ptrs = cache_ptr + row[:, None] + kv_head * stride_head + dims[None, :]
     if FULL:
         return tl.load(ptrs)

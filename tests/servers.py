@@ -24,6 +24,11 @@ from telemetry.metrics_server import listen
 from telemetry.prometheus import PrometheusExporter
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def python_with_repo(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout first on PYTHONPATH, for a subprocess that imports the tests."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
 # A small pool, so that tests see preemption, and a budget that chunks long prompts.
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=96, max_num_seqs=16,
               max_num_batched_tokens=128, max_model_len=512)

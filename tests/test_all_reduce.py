@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from kernels.all_reduce import _barrier_kernel, symmetric_barrier
 from kernels.reference import add_rms_norm_ref
 from kernels.rms_norm import _rms_norm_kernel, rms_norm
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.servers import REPO, python_with_repo
 
 
 def addresses(tensors: list[torch.Tensor], device: str) -> torch.Tensor:
@@ -160,7 +159,7 @@ def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
     # In a process of its own: a barrier that never returns would otherwise hang the suite.
     code = "from tests.test_all_reduce import check_barrier_on_the_gpu; check_barrier_on_the_gpu()"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            cwd=REPO, env=python_with_repo(os.environ))
     assert result.returncode == 0 and "barrier ok" in result.stdout, result.stderr[-3000:]
 
 
@@ -199,7 +198,7 @@ def test_the_kernels_compile_for_hopper_with_system_scope_atomics_and_vector_loa
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     code = "from tests.test_all_reduce import compile_both_for_hopper; compile_both_for_hopper()"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env={**env, "PYTHONPATH": str(REPO)})
+                            env=python_with_repo(env))
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.splitlines()[-1])
     # Arrivals are released into the peer, and waited for with acquire, at system scope (across GPUs):

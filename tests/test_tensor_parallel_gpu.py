@@ -28,12 +28,10 @@ import torch
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from models.checkpoint import ensure_checkpoint
-from tests.servers import serve_process
+from tests.servers import REPO, python_with_repo, serve_process
 from tests.test_gpu_engine import check_against_reference, prompts_for
 
 pytestmark = pytest.mark.gpu
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +56,6 @@ def generate_twice(model_dir: Path, tp: int, prompts: list[list[int]], max_token
     return outputs
 
 
-def python_with_repo() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
 def generate_twice_in_a_process(model_dir: Path, prompts: list[list[int]], max_tokens: int,
                                 all_reduce: str) -> list[list[int]]:
     """``generate_twice`` at TP=2 in a process of its own: a process sets up the one-shot
@@ -69,7 +63,8 @@ def generate_twice_in_a_process(model_dir: Path, prompts: list[list[int]], max_t
     code = ("import json, sys; from tests.test_tensor_parallel_gpu import generate_twice; "
             "print(json.dumps(generate_twice(sys.argv[1], 2, json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))")
     result = subprocess.run([sys.executable, "-c", code, str(model_dir), json.dumps(prompts), str(max_tokens),
-                             all_reduce], capture_output=True, text=True, timeout=300, cwd=REPO, env=python_with_repo())
+                             all_reduce], capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=python_with_repo(os.environ))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -135,7 +130,7 @@ def test_a_worker_killed_mid_collective_fails_the_engine_promptly(tmp_path, all_
     script = tmp_path / "kill.py"
     script.write_text(textwrap.dedent(KILL_MID_GENERATION))
     result = subprocess.run([sys.executable, str(script), str(ensure_checkpoint("tiny")), all_reduce],
-                            capture_output=True, text=True, timeout=240, cwd=tmp_path, env=python_with_repo())
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path, env=python_with_repo(os.environ))
     print(result.stdout, result.stderr[-3000:])
     assert f"all_reduce {all_reduce}" in result.stdout, result.stderr[-3000:]
     assert "was killed by SIGKILL" in result.stdout and "closed in" in result.stdout, result.stderr[-3000:]
@@ -246,7 +241,7 @@ def test_a_second_engine_in_one_process_sums_with_nccl(tmp_path):
     script = tmp_path / "two.py"
     script.write_text(textwrap.dedent(TWO_ENGINES))
     result = subprocess.run([sys.executable, str(script), str(ensure_checkpoint("tiny"))], capture_output=True,
-                            text=True, timeout=180, cwd=tmp_path, env=python_with_repo())
+                            text=True, timeout=180, cwd=tmp_path, env=python_with_repo(os.environ))
     lines = result.stdout.splitlines()
     assert result.returncode == 0 and len(lines) == 2, result.stderr[-3000:]
     (first, tokens), (second, again) = (line.split(" ", 1) for line in lines)
