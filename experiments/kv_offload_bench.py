@@ -1,7 +1,10 @@
 """The host KV tier on the GPU: how fast its copies move, and what it does to later turns of a chat.
 
-    python experiments/kv_offload_bench.py --preset qwen3-4b [--parts copies,chat] [--json FILE]
+    python experiments/kv_offload_bench.py --preset qwen3-4b [--parts kernels,copies,chat] [--json FILE]
 
+kernels the GPU side of the copies below alone (GPU only): the Triton gather and scatter
+        (``kernels/kv_blocks.py``) against torch's ``index_select``/``index_copy_`` on the pool's
+        block-major view, which they replaced, in GPU time per job.
 copies  the tier's stores (gather into staging, copy down) and loads (copy up, scatter into the
         pool) of N blocks, against one pinned ``cudaMemcpyAsync`` of the same bytes measured in the
         same run, for a few N: the share of the link the tier's copy path gets.
@@ -12,8 +15,8 @@ chat    conversations whose histories outgrow the GPU pool (``--turn-tokens`` ne
         half conversations).
 
 The yardstick with a tier configured but never hit is ``experiments/bench.py --ab host-tier
---kv-offloading-size GIB``. On the CPU, ``--device cpu --preset tiny`` runs both parts small, to
-check the script, not to measure anything.
+--kv-offloading-size GIB``. On the CPU, ``--device cpu --preset tiny`` runs copies and chat small,
+to check the script, not to measure anything.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch  # noqa: E402
 
 from engine.host_tier import TransferSpec  # noqa: E402
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks  # noqa: E402
+from kernels.kv_blocks import gather_blocks, scatter_blocks  # noqa: E402
 from engine.options import add_engine_args, build_llm, model_dir, parse_checked, reported_errors  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from models.config import load_qwen3_config  # noqa: E402
@@ -56,6 +60,39 @@ def _median_seconds(fn, device: torch.device, iters: int) -> float:
         _sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def kernels(args: argparse.Namespace) -> list[dict]:
+    """GPU time per gather or scatter of N scattered blocks: Triton against torch's indexing."""
+    if not torch.cuda.is_available():
+        raise SystemExit("kv_offload_bench: --parts kernels times CUDA kernels: run it on a GPU")
+    mc = load_qwen3_config(model_dir(args))
+    sizes = [int(n) for n in args.blocks.split(",")]
+    num_blocks = 2 * max(sizes)
+    kv = torch.randn(2, mc.num_hidden_layers, num_blocks, args.block_size, mc.num_key_value_heads, mc.head_dim,
+                     dtype=torch.bfloat16, device="cuda")
+    staging = torch.empty(max(sizes), *kv[:, :, 0].shape, dtype=kv.dtype, device="cuda")
+    view = kv.movedim(2, 0)
+    block_bytes = staging[0].numel() * staging.element_size()
+    rows = []
+    for n in sizes:
+        ids = torch.tensor([random.Random(n).sample(range(num_blocks), n), list(range(n))], device="cuda")
+        ways = {"torch gather (index_select)": lambda: torch.index_select(view, 0, ids[0], out=staging[:n]),
+                "triton gather": lambda: gather_blocks(kv, staging, ids),
+                "torch scatter (index_copy_)": lambda: view.index_copy_(0, ids[0], staging[:n]),
+                "triton scatter": lambda: scatter_blocks(kv, staging, ids)}
+        for way, fn in ways.items():
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                fn()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3 / args.iters
+            rows.append({"way": way, "blocks": n, "gpu_us": 1e6 * seconds,
+                         "read_write_GBps": 2 * n * block_bytes / seconds / 1e9})
+    return rows
 
 
 def copies(args: argparse.Namespace) -> list[dict]:
@@ -122,7 +159,16 @@ def chat(args: argparse.Namespace) -> list[dict]:
             turns = [[[rng.randrange(vocab) for _ in range(args.turn_tokens)] for _ in range(args.conversations)]
                      for _ in range(args.turns)]
         finished: list = []
-        llm.events.subscribe(lambda e: finished.append(e) if e.kind == "request_finished" else None)
+        # request id -> (device seconds of the loads it waited for, when the engine saw the last land)
+        loaded: dict[int, tuple[float, float]] = {}
+
+        def watch(e) -> None:
+            if e.kind == "request_finished":
+                finished.append(e)
+            elif e.kind == "kv_transfer" and e.transfer_type == "CPU_to_GPU":
+                loaded[e.request_id] = (loaded.get(e.request_id, (0.0, 0.0))[0] + e.seconds, e.t)
+
+        llm.events.subscribe(watch)
         history = [[] for _ in range(args.conversations)]
         greedy = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)
         t0, generated = time.perf_counter(), 0
@@ -136,7 +182,10 @@ def chat(args: argparse.Namespace) -> list[dict]:
                 generated += len(out)
                 results.append({"arm": arm, "turn": t + 1, "conversation": c, "prompt_tokens": len(prompt),
                                 "ttft_s": done.first_token - done.arrival, "cached_tokens": done.cached_tokens,
-                                "host_cached_tokens": done.host_cached_tokens})
+                                "host_cached_tokens": done.host_cached_tokens,
+                                "load_s": loaded.get(done.request_id, (0.0, 0.0))[0],
+                                "after_load_s": (done.first_token - loaded[done.request_id][1]
+                                                 if done.request_id in loaded else None)})
         seconds = time.perf_counter() - t0
         for r in results:
             if r["arm"] == arm:
@@ -157,6 +206,12 @@ def summarize_chat(rows: list[dict], turns: int) -> list[dict]:
             row[f"{arm} prompt"] = round(statistics.mean(r["prompt_tokens"] for r in of))
             row[f"{arm} TTFT p50 ms"] = 1e3 * statistics.median(r["ttft_s"] for r in of)
             row[f"{arm} host tok"] = sum(r["host_cached_tokens"] for r in of)
+        # Write-through's TTFT in parts: the copy itself (device time of its loads), and from the
+        # engine seeing it land to the first token (the new tokens' prefill).
+        loads = [r for r in rows if r["arm"] == "write-through" and r["turn"] == t and r["after_load_s"] is not None]
+        if loads:
+            row["load p50 ms"] = 1e3 * statistics.median(r["load_s"] for r in loads)
+            row["after load p50 ms"] = 1e3 * statistics.median(r["after_load_s"] for r in loads)
         row["TTFT ratio"] = row["recompute TTFT p50 ms"] / row["write-through TTFT p50 ms"]
         out.append(row)
     return out
@@ -166,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, preset="qwen3-4b", kv_offloading_size=64.0, block_size=16)
-    parser.add_argument("--parts", default="copies,chat", help="which parts to run (default: %(default)s)")
-    parser.add_argument("--blocks", default="16,64,256", help="copies: blocks per copy job (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=10, help="copies: timed repeats (default: %(default)s)")
+    parser.add_argument("--parts", default="copies,chat",
+                        help="which of kernels, copies, chat to run, comma-separated (default: %(default)s)")
+    parser.add_argument("--blocks", default="16,64,256",
+                        help="copies, kernels: blocks per copy job (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=10, help="copies, kernels: timed repeats (default: %(default)s)")
     parser.add_argument("--conversations", type=int, default=4, help="chat (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=4, help="chat (default: %(default)s)")
     parser.add_argument("--turn-tokens", type=int, default=4096, help="chat: new tokens a turn (default: %(default)s)")
@@ -176,8 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     parts = set(args.parts.split(","))
+    if parts - {"kernels", "copies", "chat"}:
+        parser.error(f"--parts: unknown part(s) {', '.join(sorted(parts - {'kernels', 'copies', 'chat'}))}; "
+                     "choose from kernels, copies, chat")
     with reported_errors(args):
         results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+        if "kernels" in parts:
+            progress("kernels")
+            results["kernels"] = kernels(args)
+            print("gather/scatter                blocks   GPU us  read+write GB/s")
+            for r in results["kernels"]:
+                print(f"{r['way']:<29} {r['blocks']:6d} {r['gpu_us']:8.1f} {r['read_write_GBps']:16.0f}")
         if "copies" in parts:
             progress("copies")
             results["copies"] = copies(args)

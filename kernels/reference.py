@@ -205,3 +205,14 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fals
     weight stacks gate and up, and SiLU-and-mul of the two products follows."""
     y = (x.float() @ weight.float().T).to(x.dtype)
     return silu_and_mul_ref(y) if silu_mul else y
+
+
+def gather_blocks_ref(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor) -> None:
+    """Whole blocks of the pool ``[2, layers, blocks, ...]`` into block-contiguous staging rows:
+    ``staging[ids[1, i]] = kv_cache[:, :, ids[0, i]]``."""
+    staging.index_copy_(0, ids[1], kv_cache.movedim(2, 0).index_select(0, ids[0]))
+
+
+def scatter_blocks_ref(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor) -> None:
+    """``gather_blocks_ref`` backwards: ``kv_cache[:, :, ids[0, i]] = staging[ids[1, i]]``."""
+    kv_cache.movedim(2, 0).index_copy_(0, ids[0], staging.index_select(0, ids[1]))

@@ -142,3 +142,11 @@ def test_the_tier_benchmark_runs_on_the_cpu(tiny_checkpoint, capsys):
     out = capsys.readouterr().out
     assert "store (GPU to CPU)" in out and "load (CPU to GPU)" in out
     assert "recompute:" in out and "write-through:" in out
+
+
+def test_the_tier_benchmark_names_its_parts_and_times_kernels_only_on_a_gpu(tiny_checkpoint, capsys):
+    with pytest.raises(SystemExit):
+        kv_offload_bench.main(["--model", str(tiny_checkpoint), "--parts", "copies,kernel"])
+    assert "unknown part(s) kernel; choose from kernels, copies, chat" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--parts kernels times CUDA kernels: run it on a GPU"):
+        kv_offload_bench.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--parts", "kernels"])

@@ -23,6 +23,8 @@ from engine.llm_engine import LLM
 from engine.options import add_engine_args, parse_checked
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from kernels.kv_blocks import gather_blocks, scatter_blocks
+from kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from tests.control_plane import HOST_TIER, FakeEngine, check_idle, prompt_tokens_for, run_workload
 from tests.reference import hf_greedy
 
@@ -163,6 +165,45 @@ def test_blocks_stored_and_loaded_back_are_bit_identical(monkeypatch):
     for gpu, source in ((1, 7), (8, 2), (9, 3)):
         assert torch.equal(kv[:, :, gpu], original[:, :, source])
     assert kv[:, :, [0, 2, 3, 4, 5, 6, 7]].abs().sum() == 0  # nothing else was written
+
+
+def check_block_copies(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The gather and the scatter kernels against their references: pool blocks in any order, staging
+    rows not in order either, nothing else touched."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    kv = torch.randn(shape, generator=gen, device=device).to(dtype)
+    rows = 7
+    staging = torch.randn((rows, 2, shape[1], *shape[3:]), generator=gen, device=device).to(dtype)
+    ids = torch.tensor([[shape[2] - 1, 0, 3, 1], [2, 6, 0, 3]], device=device)  # distinct blocks, distinct rows
+    expected = staging.clone()
+    gather_blocks_ref(kv, expected, ids)
+    got = staging.clone()
+    gather_blocks(kv, got, ids)
+    assert torch.equal(got, expected) and not torch.equal(got, staging)
+    expected = kv.clone()
+    scatter_blocks_ref(expected, staging, ids)
+    got = kv.clone()
+    scatter_blocks(got, staging, ids)
+    assert torch.equal(got, expected) and not torch.equal(got, kv)
+
+
+# A piece (block_size x heads x head_dim) smaller than the kernel's BLOCK, and one that takes two.
+BLOCK_SHAPES = [(2, 3, 9, 4, 2, 8), (2, 2, 6, 5, 8, 104)]
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+def test_block_copy_kernels_match_the_reference_cpu(cpu, shape):
+    check_block_copies("cpu", torch.float32, shape)
+
+
+def test_block_copy_kernels_refuse_what_they_cannot_copy():
+    kv = torch.zeros(2, 3, 9, 4, 2, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_blocks(kv.transpose(1, 2), torch.zeros(1, 2, 9, 4, 2, 8), torch.zeros(2, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"staging \(1, 2, 3, 4, 2, 4\)"):
+        gather_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 4), torch.zeros(2, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"ids \(1,\)"):
+        scatter_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 8), torch.zeros(1, dtype=torch.int64))
 
 
 # --- the engine, against transformers ----------------------------------------------------------------
@@ -404,6 +445,13 @@ def test_gpu_copies_through_the_streams_are_bit_identical(gpu):
     for host_block, gpu_block in enumerate(range(63, 15, -1)):
         assert torch.equal(kv[:, :, gpu_block], original[:, :, host_block])
     assert not kv[:, :, :16].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [*BLOCK_SHAPES, (2, 28, 40, 16, 8, 128)])
+def test_gpu_block_copy_kernels_match_the_reference(gpu, dtype, shape):
+    check_block_copies("cuda", dtype, shape)
 
 
 @pytest.mark.gpu
