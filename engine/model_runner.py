@@ -392,8 +392,12 @@ class ModelRunner:
         # Captured with every row as padding (slot -1, length 0): no cache entry is touched.
         self.decode_inputs.stage([], self.graph_bs[-1], {}, self.block_size)
         pool = None
-        for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="Capturing CUDA graphs",
-                       disable=self.rank != 0, leave=False):
+        sizes = reversed(self.graph_bs)
+        if self.rank == 0:
+            # Workers make no bar, not even a disabled one: tqdm's lock is a named semaphore, which a
+            # worker killed by a signal leaves to the resource tracker's warning at shutdown.
+            sizes = tqdm(sizes, total=len(self.graph_bs), desc="Capturing CUDA graphs", leave=False)
+        for bs in sizes:
             # One eager run first: kernels compile and allocate outside the capture.
             out = None if self.graph_logits is None else self.graph_logits[:bs]
             self.decode_forward(bs, out)
