@@ -270,6 +270,12 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int, now: float, blocked: str | None = None) -> None:
         """Admit waiting requests, in the policy's order, into ``batch`` while the budget,
         ``max_num_seqs`` and the pool allow (none when ``blocked`` says why not); note why the rest wait."""
+        blocked = blocked or self._step_limit(batch, budget)
+        if blocked is not None:
+            # Everyone waits for the same limit (a saturated server's every step): no order to compute
+            # (a sort under priority, prefix lookups under lpm), one pass over the queue.
+            self._note_waiting([(seq, blocked) for seq in self.waiting if seq.waiting_reason != blocked])
+            return
         bm = self.block_manager
         reasons: dict[Sequence, str] = {}
         order = list(self.policy.order(self.waiting, self._cached_blocks))
@@ -280,11 +286,7 @@ class Scheduler:
             reasons.update(dict.fromkeys(order[i + 1:], rest))
 
         for i, seq in enumerate(order):
-            if blocked is None and (budget <= 0 or (self.ring and batch)):  # the ring computes one at a time
-                blocked = "budget"
-            elif blocked is None and len(self.running) >= self.max_num_seqs:
-                blocked = "max_num_seqs"
-            if blocked is not None:  # a limit of the whole step: it holds back everyone left
+            if (blocked := self._step_limit(batch, budget)) is not None:  # it holds back everyone left
                 hold(i, blocked, blocked)
                 break
             continuing = bool(seq.block_table)
@@ -335,7 +337,16 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        self._note_waiting(reasons)
+        self._note_waiting([(seq, reason) for seq, reason in reasons.items() if seq.waiting_reason != reason])
+
+    def _step_limit(self, batch: ScheduledBatch, budget: int) -> str | None:
+        """A limit of the whole step, which holds back every request left: the token budget is spent
+        (in CPU-offload mode the ring computes one request a step), or ``max_num_seqs`` run."""
+        if budget <= 0 or (self.ring and batch):
+            return "budget"
+        if len(self.running) >= self.max_num_seqs:
+            return "max_num_seqs"
+        return None
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """What of ``num_tokens`` prompt tokens one request computes in this step."""
@@ -388,9 +399,8 @@ class Scheduler:
                     self._last_turn = (seq.seq_id, self.running.index(seq))
         return budget, preempted
 
-    def _note_waiting(self, reasons: dict[Sequence, str]) -> None:
-        """Keep why each request still waits; emit the ones that changed."""
-        changed = [(seq, reason) for seq, reason in reasons.items() if seq.waiting_reason != reason]
+    def _note_waiting(self, changed: list[tuple[Sequence, str]]) -> None:
+        """Keep why each of these requests now waits (each a change); emit them."""
         for seq, reason in changed:
             seq.waiting_reason = reason
         if changed and self.events.active:

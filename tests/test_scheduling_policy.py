@@ -237,6 +237,24 @@ def test_every_waiting_request_carries_its_reason():
     engine.run()
 
 
+@pytest.mark.parametrize("policy", SCHEDULING_POLICIES)
+def test_a_step_that_admits_nobody_leaves_the_queue_unordered(monkeypatch, policy):
+    # A saturated server's every step: a limit of the whole step holds everyone back, so the policy's
+    # order (a sort under priority, prefix lookups under lpm) is not computed.
+    engine = FakeEngine(scheduling_policy=policy, max_num_seqs=1)
+    engine.add(prompt(10), max_tokens=20)
+    engine.step()
+    held = [engine.add(prompt(10, salt=i), max_tokens=2, priority=i if policy == "priority" else 0)
+            for i in range(1, 4)]
+    monkeypatch.setattr(engine.scheduler.policy, "order", lambda *_: pytest.fail("ordered a queue nobody leaves"))
+    engine.step()
+    engine.step()
+    assert [reasons_of(engine)[s.seq_id] for s in held] == ["max_num_seqs"] * 3
+    assert sum(len(e.request_ids) for e in engine.of_kind("waiting")) == 3  # each noted once, when it changed
+    monkeypatch.undo()
+    engine.run()
+
+
 def test_a_request_loading_from_the_host_tier_waits_for_it():
     engine = FakeEngine(transfer_delay=3, num_kvcache_blocks=8, **HOST_TIER)
     first = engine.add(prompt(4 * BS + 3), max_tokens=2)
