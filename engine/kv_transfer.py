@@ -85,6 +85,12 @@ class OffloadingHandler:
         self.loads: deque[_Copy] = deque()
         self.store_stream = torch.cuda.Stream(self.device) if cuda else None
         self.load_stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            # Compile both kernels now, not at the first store and load of a served request: block 0
+            # out to staging and back, while nothing uses the pool.
+            ids = self._ids((0,), [0])
+            self.gather(kv_cache, self.store_staging, ids)
+            self.scatter(kv_cache, self.store_staging, ids)
 
     @staticmethod
     def load_slots(block_bytes: int) -> int:

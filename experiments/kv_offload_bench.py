@@ -64,19 +64,20 @@ def _median_seconds(fn, device: torch.device, iters: int) -> float:
 
 def kernels(args: argparse.Namespace) -> list[dict]:
     """GPU time per gather or scatter of N scattered blocks: Triton against torch's indexing."""
-    if not torch.cuda.is_available():
-        raise SystemExit("kv_offload_bench: --parts kernels times CUDA kernels: run it on a GPU")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        raise SystemExit(f"kv_offload_bench: --parts kernels times CUDA kernels, not on {device}: run it on a GPU")
     mc = load_qwen3_config(model_dir(args))
     sizes = [int(n) for n in args.blocks.split(",")]
     num_blocks = 2 * max(sizes)
     kv = torch.randn(2, mc.num_hidden_layers, num_blocks, args.block_size, mc.num_key_value_heads, mc.head_dim,
-                     dtype=torch.bfloat16, device="cuda")
-    staging = torch.empty(max(sizes), *kv[:, :, 0].shape, dtype=kv.dtype, device="cuda")
+                     dtype=torch.bfloat16, device=device)
+    staging = torch.empty(max(sizes), *kv[:, :, 0].shape, dtype=kv.dtype, device=device)
     view = kv.movedim(2, 0)
     block_bytes = staging[0].numel() * staging.element_size()
     rows = []
     for n in sizes:
-        ids = torch.tensor([random.Random(n).sample(range(num_blocks), n), list(range(n))], device="cuda")
+        ids = torch.tensor([random.Random(n).sample(range(num_blocks), n), list(range(n))], device=device)
         ways = {"torch gather (index_select)": lambda: torch.index_select(view, 0, ids[0], out=staging[:n]),
                 "triton gather": lambda: gather_blocks(kv, staging, ids),
                 "torch scatter (index_copy_)": lambda: view.index_copy_(0, ids[0], staging[:n]),
@@ -165,7 +166,7 @@ def chat(args: argparse.Namespace) -> list[dict]:
         def watch(e) -> None:
             if e.kind == "request_finished":
                 finished.append(e)
-            elif e.kind == "kv_transfer" and e.transfer_type == "CPU_to_GPU":
+            elif e.kind == "kv_transfer" and e.reason == "load":
                 loaded[e.request_id] = (loaded.get(e.request_id, (0.0, 0.0))[0] + e.seconds, e.t)
 
         llm.events.subscribe(watch)

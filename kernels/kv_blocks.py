@@ -9,7 +9,9 @@ through that six-dimensional view: on an H100 it moved a 16-block store's bytes 
 a quarter of the job's time beside the link's copy. Here each program copies ``BLOCK`` contiguous
 elements of one piece, its addresses computed once per program.
 
-Same contract as ``gather_blocks_ref`` and ``scatter_blocks_ref``.
+Same contract as ``gather_blocks_ref`` and ``scatter_blocks_ref``, except that ids out of range are
+not caught (the references raise; the engine's ids come from its own block tables and staging
+slots).
 """
 
 from __future__ import annotations
@@ -59,8 +61,11 @@ def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor, ga
     if tuple(staging.shape[1:]) != block_shape or staging.dtype != kv_cache.dtype:
         raise ValueError(f"staging {tuple(staging.shape)} {staging.dtype} must be [rows, {', '.join(map(str, block_shape))}] "
                          f"{kv_cache.dtype}")
-    if ids.dim() != 2 or ids.shape[0] != 2 or ids.device != kv_cache.device:
-        raise ValueError(f"ids {tuple(ids.shape)} must be [2, n] on {kv_cache.device}: pool blocks, then staging rows")
+    if staging.device != kv_cache.device:
+        raise ValueError(f"staging is on {staging.device}, kv_cache on {kv_cache.device}: both must be on one device")
+    if ids.dim() != 2 or ids.shape[0] != 2 or ids.device != kv_cache.device or ids.dtype != torch.int64:
+        raise ValueError(f"ids {tuple(ids.shape)} {ids.dtype} must be int64 [2, n] on {kv_cache.device}: pool blocks, "
+                         "then staging rows")
     num_copies = ids.shape[1]
     if num_copies == 0:
         return
@@ -73,7 +78,7 @@ def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor, ga
 
 def gather_blocks(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor) -> None:
     """``staging[ids[1, i]] = block ids[0, i]`` of ``kv_cache``, each as ``[2, layers, block_size,
-    kv_heads, head_dim]``."""
+    kv_heads, head_dim]``. The rows must be distinct (two blocks written to one row race)."""
     _launch(kv_cache, staging, ids, gather=True)
 
 

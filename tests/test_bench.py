@@ -148,5 +148,5 @@ def test_the_tier_benchmark_names_its_parts_and_times_kernels_only_on_a_gpu(tiny
     with pytest.raises(SystemExit):
         kv_offload_bench.main(["--model", str(tiny_checkpoint), "--parts", "copies,kernel"])
     assert "unknown part(s) kernel; choose from kernels, copies, chat" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--parts kernels times CUDA kernels: run it on a GPU"):
+    with pytest.raises(SystemExit, match="--parts kernels times CUDA kernels, not on cpu: run it on a GPU"):
         kv_offload_bench.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--parts", "kernels"])

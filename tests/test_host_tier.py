@@ -204,6 +204,8 @@ def test_block_copy_kernels_refuse_what_they_cannot_copy():
         gather_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 4), torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"ids \(1,\)"):
         scatter_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 8), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"ids \(2, 1\) torch.int32 must be int64"):
+        scatter_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 8), torch.zeros(2, 1, dtype=torch.int32))
 
 
 # --- the engine, against transformers ----------------------------------------------------------------
