@@ -237,19 +237,26 @@ def test_every_waiting_request_carries_its_reason():
     engine.run()
 
 
+# max_num_seqs running; under mixed batching, a budget the running requests' decodes use up.
+SATURATED = {"max_num_seqs": {"max_num_seqs": 1},
+             "budget": {"batching": "mixed", "max_num_batched_tokens": 1, "max_num_seqs": 4}}
+
+
+@pytest.mark.parametrize("limit", list(SATURATED))
 @pytest.mark.parametrize("policy", SCHEDULING_POLICIES)
-def test_a_step_that_admits_nobody_leaves_the_queue_unordered(monkeypatch, policy):
+def test_a_step_that_admits_nobody_leaves_the_queue_unordered(monkeypatch, policy, limit):
     # A saturated server's every step: a limit of the whole step holds everyone back, so the policy's
     # order (a sort under priority, prefix lookups under lpm) is not computed.
-    engine = FakeEngine(scheduling_policy=policy, max_num_seqs=1)
-    engine.add(prompt(10), max_tokens=20)
-    engine.step()
+    engine = FakeEngine(scheduling_policy=policy, **SATURATED[limit])
+    engine.add(prompt(1), max_tokens=20)
+    while not engine.scheduler.running or engine.scheduler.running[0].num_cached_tokens == 0:
+        engine.step()  # the first request is decoding
     held = [engine.add(prompt(10, salt=i), max_tokens=2, priority=i if policy == "priority" else 0)
             for i in range(1, 4)]
     monkeypatch.setattr(engine.scheduler.policy, "order", lambda *_: pytest.fail("ordered a queue nobody leaves"))
     engine.step()
     engine.step()
-    assert [reasons_of(engine)[s.seq_id] for s in held] == ["max_num_seqs"] * 3
+    assert [reasons_of(engine)[s.seq_id] for s in held] == [limit] * 3
     assert sum(len(e.request_ids) for e in engine.of_kind("waiting")) == 3  # each noted once, when it changed
     monkeypatch.undo()
     engine.run()
