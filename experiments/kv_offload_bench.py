@@ -62,6 +62,14 @@ def _median_seconds(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
+def _memcpy_seconds(numel: int, dtype: torch.dtype, device: torch.device, iters: int) -> tuple[float, float]:
+    """One pinned copy of ``numel`` elements down, then up: the medians (its buffers go at return)."""
+    pinned = torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+    flat = torch.empty_like(pinned, device=device)
+    down = _median_seconds(lambda: pinned.copy_(flat, non_blocking=True), device, iters)
+    return down, _median_seconds(lambda: flat.copy_(pinned, non_blocking=True), device, iters)
+
+
 def kernels(args: argparse.Namespace) -> list[dict]:
     """GPU time per gather or scatter of N scattered blocks: Triton against torch's indexing."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -129,13 +137,9 @@ def copies(args: argparse.Namespace) -> list[dict]:
             handler.drain()
 
         nbytes = n * block_bytes
-        pinned = torch.empty(nbytes // kv.element_size(), dtype=dtype, pin_memory=device.type == "cuda")
-        flat = torch.empty_like(pinned, device=device)
-        down = _median_seconds(lambda: pinned.copy_(flat, non_blocking=True), device, args.iters)
-        up = _median_seconds(lambda: flat.copy_(pinned, non_blocking=True), device, args.iters)
+        down, up = _memcpy_seconds(nbytes // kv.element_size(), dtype, device, args.iters)
         stored = _median_seconds(store, device, args.iters)
         loaded = _median_seconds(load, device, args.iters)
-        del pinned, flat
         for direction, tier_s, plain_s in (("store (GPU to CPU)", stored, down), ("load (CPU to GPU)", loaded, up)):
             rows.append({"direction": direction, "blocks": n, "block_bytes": block_bytes, "bytes": nbytes,
                          "tier_GBps": nbytes / tier_s / 1e9, "memcpy_GBps": nbytes / plain_s / 1e9,
