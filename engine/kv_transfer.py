@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_tier import TransferResult, TransferSpec
-from kernels.kv_blocks import gather_blocks, scatter_blocks
+from kernels.kv_blocks import block_shape, gather_blocks, scatter_blocks
 from kernels.reference import gather_blocks_ref, scatter_blocks_ref
 
 # GPU staging: what waits there for the link. Stores arrive in bursts (a prefill step fills many
@@ -72,14 +72,14 @@ class OffloadingHandler:
     def __init__(self, kv_cache: torch.Tensor, num_host_blocks: int, store_slots: int) -> None:
         self.device = kv_cache.device
         self.kv_cache = kv_cache
-        block_shape = (2, kv_cache.shape[1], *kv_cache.shape[3:])  # [2, layers, block_size, kv_heads, head_dim]
+        block = block_shape(kv_cache)
         cuda = self.device.type == "cuda"
         self.gather, self.scatter = (gather_blocks, scatter_blocks) if cuda else (gather_blocks_ref, scatter_blocks_ref)
-        self.host = torch.empty((num_host_blocks, *block_shape), dtype=kv_cache.dtype, pin_memory=cuda)
+        self.host = torch.empty((num_host_blocks, *block), dtype=kv_cache.dtype, pin_memory=cuda)
         self.block_bytes = self.host[0].numel() * self.host.element_size()
         load_slots = self.load_slots(self.block_bytes)
-        self.store_staging = torch.empty((store_slots, *block_shape), dtype=kv_cache.dtype, device=self.device)
-        self.load_staging = torch.empty((load_slots, *block_shape), dtype=kv_cache.dtype, device=self.device)
+        self.store_staging = torch.empty((store_slots, *block), dtype=kv_cache.dtype, device=self.device)
+        self.load_staging = torch.empty((load_slots, *block), dtype=kv_cache.dtype, device=self.device)
         self.free_slots: deque[int] = deque(range(store_slots))
         self.stores: deque[_Copy] = deque()
         self.loads: deque[_Copy] = deque()

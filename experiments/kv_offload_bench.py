@@ -35,10 +35,13 @@ import torch  # noqa: E402
 
 from engine.host_tier import TransferSpec  # noqa: E402
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks  # noqa: E402
-from kernels.kv_blocks import gather_blocks, scatter_blocks  # noqa: E402
 from engine.options import add_engine_args, build_llm, model_dir, parse_checked, reported_errors  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels.kv_blocks import block_shape, gather_blocks, scatter_blocks  # noqa: E402
 from models.config import load_qwen3_config  # noqa: E402
+
+
+PARTS = ("kernels", "copies", "chat")
 
 
 def progress(message: str) -> None:
@@ -62,6 +65,10 @@ def _median_seconds(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
+def _device(args: argparse.Namespace) -> torch.device:
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _memcpy_seconds(numel: int, dtype: torch.dtype, device: torch.device, iters: int) -> tuple[float, float]:
     """One pinned copy of ``numel`` elements down, then up: the medians (its buffers go at return)."""
     pinned = torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
@@ -72,7 +79,7 @@ def _memcpy_seconds(numel: int, dtype: torch.dtype, device: torch.device, iters:
 
 def kernels(args: argparse.Namespace) -> list[dict]:
     """GPU time per gather or scatter of N scattered blocks: Triton against torch's indexing."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args)
     if device.type != "cuda":
         raise SystemExit(f"kv_offload_bench: --parts kernels times CUDA kernels, not on {device}: run it on a GPU")
     mc = load_qwen3_config(model_dir(args))
@@ -80,7 +87,7 @@ def kernels(args: argparse.Namespace) -> list[dict]:
     num_blocks = 2 * max(sizes)
     kv = torch.randn(2, mc.num_hidden_layers, num_blocks, args.block_size, mc.num_key_value_heads, mc.head_dim,
                      dtype=torch.bfloat16, device=device)
-    staging = torch.empty(max(sizes), *kv[:, :, 0].shape, dtype=kv.dtype, device=device)
+    staging = torch.empty(max(sizes), *block_shape(kv), dtype=kv.dtype, device=device)
     view = kv.movedim(2, 0)
     block_bytes = staging[0].numel() * staging.element_size()
     rows = []
@@ -107,7 +114,7 @@ def kernels(args: argparse.Namespace) -> list[dict]:
 def copies(args: argparse.Namespace) -> list[dict]:
     """Tier stores and loads of N blocks against a plain pinned copy of the same bytes."""
     mc = load_qwen3_config(model_dir(args))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes = [int(n) for n in args.blocks.split(",")]
     num_blocks = 2 * max(sizes)
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, preset="qwen3-4b", kv_offloading_size=64.0, block_size=16)
     parser.add_argument("--parts", default="copies,chat",
-                        help="which of kernels, copies, chat to run, comma-separated (default: %(default)s)")
+                        help=f"which of {', '.join(PARTS)} to run, comma-separated (default: %(default)s)")
     parser.add_argument("--blocks", default="16,64,256",
                         help="copies, kernels: blocks per copy job (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=10, help="copies, kernels: timed repeats (default: %(default)s)")
@@ -238,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     parts = set(args.parts.split(","))
-    if parts - {"kernels", "copies", "chat"}:
-        parser.error(f"--parts: unknown part(s) {', '.join(sorted(parts - {'kernels', 'copies', 'chat'}))}; "
-                     "choose from kernels, copies, chat")
+    if unknown := parts - set(PARTS):
+        parser.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     with reported_errors(args):
         results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         if "kernels" in parts:

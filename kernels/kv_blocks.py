@@ -52,14 +52,19 @@ def _copy_blocks_kernel(
         tl.store(in_pool, tl.load(in_staging, mask=mask), mask=mask)
 
 
+def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """One block of the pool as a staging row holds it: ``[2, layers, block_size, kv_heads, head_dim]``."""
+    return (2, kv_cache.shape[1], *kv_cache.shape[3:])
+
+
 def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
     if not (kv_cache.is_contiguous() and staging.is_contiguous()):
         raise ValueError("kv_cache and staging must be contiguous")
     if kv_cache.dim() != 6 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [2, layers, blocks, block_size, kv_heads, head_dim]")
-    block_shape = (2, kv_cache.shape[1], *kv_cache.shape[3:])
-    if tuple(staging.shape[1:]) != block_shape or staging.dtype != kv_cache.dtype:
-        raise ValueError(f"staging {tuple(staging.shape)} {staging.dtype} must be [rows, {', '.join(map(str, block_shape))}] "
+    row = block_shape(kv_cache)
+    if tuple(staging.shape[1:]) != row or staging.dtype != kv_cache.dtype:
+        raise ValueError(f"staging {tuple(staging.shape)} {staging.dtype} must be [rows, {', '.join(map(str, row))}] "
                          f"{kv_cache.dtype}")
     if staging.device != kv_cache.device:
         raise ValueError(f"staging is on {staging.device}, kv_cache on {kv_cache.device}: both must be on one device")
