@@ -307,7 +307,7 @@ def online_run(args: argparse.Namespace, directory: Path, prompts: list[list[int
 # --- the sweep --------------------------------------------------------------------------------------
 
 def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, requests: int, prompt_tokens: int,
-                   output_tokens: int, out: Path) -> dict:
+                   output_tokens: int, out: Path, seed: int) -> dict:
     binary = Path(sys.executable).with_name("guidellm")
     # The output length goes in as max_tokens, not as the data's output_tokens, which would also send
     # ignore_eos: a vLLM extension transformers serve refuses. Random weights sample the end of
@@ -317,7 +317,7 @@ def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, reque
                             f"validate_backend=false,max_tokens={output_tokens}",
                "--profile", f"kind=poisson,rate={rate}", "--constraint", f"kind=max_requests,count={requests}",
                "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
-               "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens}",
+               "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens}", "--seed", f"kind=static,value={seed}",
                "--output", f"kind=json,path={out}", "--disable-progress"]
     run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                          timeout=900)
@@ -369,11 +369,14 @@ def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: a
     work = Path(tempfile.mkdtemp(prefix="serve-sweep-"))
     if token_gaps is not None:
         token_gaps.take()  # not the warm-up's
-    for rate in rates:
+    for i, rate in enumerate(rates):
         progress(f"  rate {rate}/s")
         requests = max(30, round(rate * args.sweep_seconds))
+        # Prompts of their own at each point: with one seed every point would resend the first
+        # point's prompts, which the server's prefix cache still holds. The same seeds for every
+        # server swept, so that each rate sends each server the same prompts.
         point = guidellm_point(url, model, tokenizer_dir, rate, requests, args.sweep_prompt_tokens,
-                               args.sweep_output_tokens, work / f"rate-{rate}.json")
+                               args.sweep_output_tokens, work / f"rate-{rate}.json", seed=i + 1)
         if token_gaps is not None:
             gaps = sorted(token_gaps.take())
             point["token_itl_p99_s"] = gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))] if gaps else None
