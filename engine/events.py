@@ -140,7 +140,8 @@ class PrefixHit(Event):
 @_event("host_hit")
 class HostHit(Event):
     """An admission that found blocks beyond its GPU prefix hit in the host tier: they are copied
-    into ``gpu_block_ids`` and the request waits for them (state ``loading``)."""
+    into ``gpu_block_ids``, streamed into the step that computes the rest of the prompt or waited
+    for (state ``loading``)."""
 
     request_id: int
     hit_tokens: int

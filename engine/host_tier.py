@@ -20,11 +20,15 @@ a store that finds the staging full is not made now: a write-through one waits f
 while its GPU block still holds it, a write-back one is dropped (the block is lost, as without a
 tier).
 
-Loads. An admission whose prefix continues in the host tier gets GPU blocks for its whole prompt; the
-host part is copied into them while the request waits (``loading``, vLLM's ``WAITING_FOR_REMOTE_KVS``)
-and the others run. Once the copy lands, its blocks join the GPU cache and the request is scheduled
-for the rest of its prompt. A request aborted while loading keeps its GPU blocks until the copy that
-writes them has landed.
+Loads. An admission whose prefix continues in the host tier gets GPU blocks for its whole prompt, and
+the host part is copied into them. When the step being scheduled can compute the rest of its prompt
+and decodes nobody, the load is ``streamed``: the request is scheduled at once, its blocks join the
+GPU cache, and the step's layers wait on the device for their layer group's copy (LMCache's
+layer-wise pipelining; a decode would wait for the link too). Otherwise the request waits (``loading``,
+vLLM's ``WAITING_FOR_REMOTE_KVS``) while the others run; once the copy lands, its blocks join the GPU
+cache and it is scheduled for the rest of its prompt. A request aborted while loading keeps its GPU
+blocks until the copy that writes them has landed (after a streamed load, the step that waited for
+it orders every later use of the blocks).
 
 Swap (``preemption_mode="swap"``). A preempted request's computed blocks, the partial last one
 included, are copied to host blocks of its own and come back by a load when it is re-admitted (once
@@ -50,6 +54,9 @@ class TransferSpec:
     store: bool
     gpu_block_ids: tuple[int, ...]
     cpu_block_ids: tuple[int, ...]
+    # A load whose request computes in the step launched right after it: that step's layers wait for
+    # their group's copy on the device, not the request for the whole copy on the host.
+    streamed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +184,8 @@ class HostTier:
     # --- jobs -----------------------------------------------------------------------------------
 
     def _job(self, store: bool, gpu_block_ids: list[int], cpu_block_ids: list[int], reason: str,
-             request: Sequence | None, stores: list[OffloadCandidate] | None = None) -> OffloadJob:
-        spec = TransferSpec(self._next_job_id, store, tuple(gpu_block_ids), tuple(cpu_block_ids))
+             request: Sequence | None, stores: list[OffloadCandidate] | None = None, streamed: bool = False) -> OffloadJob:
+        spec = TransferSpec(self._next_job_id, store, tuple(gpu_block_ids), tuple(cpu_block_ids), streamed)
         self._next_job_id += 1
         job = OffloadJob(spec, reason, request, time.perf_counter(), stores or [])
         self.jobs[spec.job_id] = job
@@ -187,10 +194,11 @@ class HostTier:
             self.staging_free -= len(gpu_block_ids)
         return job
 
-    def load(self, seq: Sequence, cpu_block_ids: list[int], gpu_block_ids: list[int], reason: str) -> int:
+    def load(self, seq: Sequence, cpu_block_ids: list[int], gpu_block_ids: list[int], reason: str,
+             streamed: bool = False) -> int:
         """Copy host blocks into ``seq``'s GPU blocks (a prefix hit, or a swap-in); returns the job id."""
         self._hold(cpu_block_ids)
-        return self._job(False, gpu_block_ids, cpu_block_ids, reason, seq).spec.job_id
+        return self._job(False, gpu_block_ids, cpu_block_ids, reason, seq, streamed=streamed).spec.job_id
 
     def cancel_load(self, job_id: int) -> None:
         """Its request is gone: the copy still lands (its GPU blocks wait for that), nothing reads it."""

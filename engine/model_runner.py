@@ -33,7 +33,7 @@ from engine.offload_engine import OffloadEngine, chunk_limit
 from engine.sequence import PLACEHOLDER, Sequence
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
-from models.context import Context, reset_context, set_context
+from models.context import Context, get_context, reset_context, set_context
 from models.all_reduce import OneShotAllReduce, attach_all_reduce
 from models.loader import build_model, load_model
 from models.sampler import Sampler, SamplingMetadata, row_seed
@@ -185,7 +185,8 @@ class ModelRunner:
         """GPU memory the host tier's copies need beside the pool (none without a tier)."""
         if not self.config.host_tier_enabled:
             return 0
-        return (self.config.kv_offloading_staging_blocks + OffloadingHandler.load_slots(self.block_bytes)) * self.block_bytes
+        return (self.config.kv_offloading_staging_blocks * self.block_bytes
+                + OffloadingHandler.load_staging_bytes(self.block_bytes))
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -438,11 +439,16 @@ class ModelRunner:
         if phase != "decode":
             input_ids, positions = self.prepare_prefill(seqs)
             temperatures = self._tensor([seq.temperature for seq in seqs], np.float32)
+            kv_ready = get_context().kv_ready = None if self.offload is None else self.offload.take_layer_waits()
             t1 = time.perf_counter()
             try:
                 logits = self.model.compute_logits(self.model(input_ids, positions))
             finally:
                 reset_context()
+                if kv_ready is not None:
+                    # Every later use of the loaded blocks comes after the whole copy, also when the
+                    # forward stopped short of its last layer group.
+                    torch.cuda.current_stream().wait_event(next(e for e in reversed(kv_ready) if e is not None))
         else:
             # Longest context first: the attention grid starts its longest programs first and ends on
             # short ones, so fewer SMs idle at the end of each layer's kernel (sorted() is stable, so

@@ -23,7 +23,9 @@ policy's order); every request left waiting gets a reason (``waiting`` events).
 With a host KV tier (``engine.host_tier``) an admission whose cached prefix continues in host memory,
 or a swapped-out request coming back, is given its blocks and waits in ``loading`` while they are
 copied in; ``complete_transfers`` puts it back at the front of the queue once they have landed,
-to be scheduled for the rest of its prompt.
+to be scheduled for the rest of its prompt. A prefix load into a step that can compute the rest of
+the prompt and decodes nobody is streamed instead: the request is scheduled at once, and the step's
+layers wait on the device for their part of the copy.
 
 A step's results may land after the next step is scheduled (the engine's asynchronous scheduling):
 ``expect_tokens`` stands a placeholder in for each token a launched step samples, so lengths and
@@ -312,9 +314,13 @@ class Scheduler:
                 num_tokens = seq.num_tokens - len(hit_block_ids) * bm.block_size
                 host_hit_ids = self._host_hits(seq, len(hit_block_ids))
                 if host_hit_ids:
-                    self._load_prefix(seq, hit_block_ids, host_hit_ids, now)
-                    reasons[seq] = "host_load"
-                    continue
+                    num_tokens -= len(host_hit_ids) * bm.block_size
+                    streamed = self._can_stream(batch, budget, num_tokens)
+                    self._load_prefix(seq, hit_block_ids, host_hit_ids, now, streamed)
+                    if not streamed:
+                        reasons[seq] = "host_load"
+                        continue
+                    continuing = True  # its blocks are allocated, its prefix counted as cached
             # Prefill-first: only the first request of a step may be cut short, later ones wait for a
             # whole budget. Mixed: any may be, to what is left.
             if budget < num_tokens and batch and not self.mixed:
@@ -431,8 +437,18 @@ class Scheduler:
         seq.load_job = job_id
         self.loading.append(seq)
 
-    def _load_prefix(self, seq: Sequence, hit_block_ids: list[int], host_hit_ids: list[int], now: float) -> None:
-        """Admit ``seq`` with its GPU prefix hit and have the host hit copied in after it."""
+    def _can_stream(self, batch: ScheduledBatch, budget: int, num_tokens: int) -> bool:
+        """Whether a prefix load may stream into this step: the step computes the rest of the prompt
+        (``num_tokens``, as an admission's budget rule says) and decodes nobody, whose token would wait
+        for the link too. Not in CPU-offload mode, whose ring runs its own copies."""
+        if self.ring or not all(batch.prefill):
+            return False
+        return not (budget < num_tokens and batch and not self.mixed)
+
+    def _load_prefix(self, seq: Sequence, hit_block_ids: list[int], host_hit_ids: list[int], now: float,
+                     streamed: bool) -> None:
+        """Admit ``seq`` with its GPU prefix hit and have the host hit copied in after it: streamed into
+        the step being scheduled (its blocks cached at once), or waited for in ``loading``."""
         bm = self.block_manager
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
@@ -440,7 +456,14 @@ class Scheduler:
             seq.num_prompt_host_tokens = len(host_hit_ids) * bm.block_size
         bm.allocate(seq, hit_block_ids)
         gpu_block_ids = seq.block_table[len(hit_block_ids):len(hit_block_ids) + len(host_hit_ids)]
-        self._start_loading(seq, self.host_tier.load(seq, host_hit_ids, gpu_block_ids, "load"))
+        job_id = self.host_tier.load(seq, host_hit_ids, gpu_block_ids, "load", streamed)
+        if streamed:
+            num_tokens = len(host_hit_ids) * bm.block_size
+            bm.hash_blocks(seq, num_tokens)
+            seq.num_cached_tokens += num_tokens
+            seq.loaded = True
+        else:
+            self._start_loading(seq, job_id)
         if self.events.active:
             self.events.emit(HostHit, request_id=seq.seq_id, hit_tokens=len(host_hit_ids) * bm.block_size,
                              cpu_block_ids=tuple(host_hit_ids), gpu_block_ids=tuple(gpu_block_ids))
@@ -473,7 +496,7 @@ class Scheduler:
         landed = []
         for job in tier.complete(results):
             seq = job.request
-            if job.spec.store:
+            if job.spec.store or job.spec.streamed:  # a streamed load's request was scheduled with it
                 continue
             if job.cancelled:  # aborted while loading: its blocks waited for this copy to land
                 bm.deallocate(seq)

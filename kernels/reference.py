@@ -207,12 +207,20 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fals
     return silu_and_mul_ref(y) if silu_mul else y
 
 
-def gather_blocks_ref(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor) -> None:
-    """Whole blocks of the pool ``[2, layers, blocks, ...]`` into block-contiguous staging rows:
-    ``staging[ids[1, i]] = kv_cache[:, :, ids[0, i]]``."""
-    staging.index_copy_(0, ids[1], kv_cache.movedim(2, 0).index_select(0, ids[0]))
+def _pool_blocks(kv_cache: torch.Tensor, layers: range | None) -> torch.Tensor:
+    """The pool ``[2, layers, blocks, ...]`` (its ``layers``, default all) indexed by block first."""
+    part = kv_cache if layers is None else kv_cache[:, layers.start:layers.stop]
+    return part.movedim(2, 0)
 
 
-def scatter_blocks_ref(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor) -> None:
-    """``gather_blocks_ref`` backwards: ``kv_cache[:, :, ids[0, i]] = staging[ids[1, i]]``."""
-    kv_cache.movedim(2, 0).index_copy_(0, ids[0], staging.index_select(0, ids[1]))
+def gather_blocks_ref(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor,
+                      layers: range | None = None) -> None:
+    """Whole blocks of the pool ``[2, layers, blocks, ...]`` (or their ``layers``) into block-contiguous
+    staging rows: ``staging[ids[1, i]] = kv_cache[:, layers, ids[0, i]]``."""
+    staging.index_copy_(0, ids[1], _pool_blocks(kv_cache, layers).index_select(0, ids[0]))
+
+
+def scatter_blocks_ref(kv_cache: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor,
+                       layers: range | None = None) -> None:
+    """``gather_blocks_ref`` backwards: ``kv_cache[:, layers, ids[0, i]] = staging[ids[1, i]]``."""
+    _pool_blocks(kv_cache, layers).index_copy_(0, ids[0], staging.index_select(0, ids[1]))

@@ -35,6 +35,9 @@ class Context:
     block_tables: torch.Tensor | None = None
     # CPU-offload mode: the step's K/V streams through this ring, which runs each attention layer.
     ring: RingForward | None = None
+    # Per layer, a CUDA event its work waits for on the device before it starts (None: no wait): the
+    # host tier's streamed loads, whose layer groups land while earlier layers compute.
+    kv_ready: list[Any] | None = None
 
 
 _CONTEXT = Context()

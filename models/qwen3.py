@@ -14,6 +14,7 @@ from models.activation import SiluAndMul
 from models.all_reduce import RankSum
 from models.attention import Attention
 from models.config import Qwen3Config
+from models.context import get_context
 from models.embed_head import ParallelLMHead, VocabParallelEmbedding
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -107,7 +108,10 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        kv_ready = get_context().kv_ready
+        for i, layer in enumerate(self.layers):
+            if kv_ready is not None and kv_ready[i] is not None:
+                torch.cuda.current_stream().wait_event(kv_ready[i])
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

@@ -23,7 +23,7 @@ from engine.llm_engine import LLM
 from engine.options import add_engine_args, parse_checked
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kernels.kv_blocks import gather_blocks, scatter_blocks
+from kernels.kv_blocks import block_shape, gather_blocks, scatter_blocks
 from kernels.reference import gather_blocks_ref, scatter_blocks_ref
 from tests.control_plane import HOST_TIER, FakeEngine, check_idle, prompt_tokens_for, run_workload
 from tests.reference import hf_greedy
@@ -147,44 +147,65 @@ def test_runs_group_consecutive_ids():
     assert runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
 
 
+def host_block(handler: OffloadingHandler, block_id: int) -> torch.Tensor:
+    """A host block as the pool holds one, ``[2, layers, ...]``, from its layer groups."""
+    return torch.cat([host[block_id] for host in handler.host], dim=1)
+
+
 def test_blocks_stored_and_loaded_back_are_bit_identical(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, 3, 10, BS, 2, 8, generator=gen)  # [2, layers, blocks, block_size, heads, head_dim]
     original = kv.clone()
     block_bytes = 2 * 3 * BS * 2 * 8 * 4
-    monkeypatch.setattr(kv_transfer, "LOAD_STAGING_BYTES", 2 * block_bytes)  # a load goes through in chunks
+    # A load goes through in chunks of three blocks (a staging-full of the one-layer groups).
+    monkeypatch.setattr(kv_transfer, "LOAD_STAGING_BYTES", block_bytes)
     handler = OffloadingHandler(kv, num_host_blocks=6, store_slots=3)
+    assert handler.groups == [range(0, 1), range(1, 2), range(2, 3)] and handler.load_chunk == 3
     handler.submit([TransferSpec(0, True, (7, 2), (4, 5)), TransferSpec(1, True, (3,), (0,))])
     results = handler.poll()
     assert [r.job_id for r in results] == [0, 1] and results[0].num_bytes == 2 * handler.block_bytes
-    assert handler.block_bytes == block_bytes and len(handler.load_staging) == 2
-    assert torch.equal(handler.host[4], original[:, :, 7]) and torch.equal(handler.host[0], original[:, :, 3])
+    assert handler.block_bytes == block_bytes
+    handler.submit([TransferSpec(2, True, (5,), (1,))])
+    assert [r.job_id for r in handler.poll()] == [2]
+    for host, gpu in ((4, 7), (5, 2), (0, 3), (1, 5)):
+        assert torch.equal(host_block(handler, host), original[:, :, gpu])
     kv.zero_()
-    handler.submit([TransferSpec(2, False, (1, 8, 9), (4, 5, 0))])  # more blocks than the load staging
-    assert [r.job_id for r in handler.drain()] == [2]
-    for gpu, source in ((1, 7), (8, 2), (9, 3)):
+    # More blocks than the load staging holds; streamed or not, the CPU copies when submitted.
+    handler.submit([TransferSpec(3, False, (1, 8, 9, 6), (4, 5, 0, 1), streamed=True)])
+    assert [r.job_id for r in handler.drain()] == [3] and handler.take_layer_waits() is None
+    for gpu, source in ((1, 7), (8, 2), (9, 3), (6, 5)):
         assert torch.equal(kv[:, :, gpu], original[:, :, source])
-    assert kv[:, :, [0, 2, 3, 4, 5, 6, 7]].abs().sum() == 0  # nothing else was written
+    assert kv[:, :, [0, 2, 3, 4, 5, 7]].abs().sum() == 0  # nothing else was written
+
+
+def test_layer_groups_split_the_layers_evenly():
+    assert kv_transfer.layer_groups(36) == [range(0, 9), range(9, 18), range(18, 27), range(27, 36)]
+    assert kv_transfer.layer_groups(28) == [range(0, 7), range(7, 14), range(14, 21), range(21, 28)]
+    assert kv_transfer.layer_groups(6) == [range(0, 1), range(1, 3), range(3, 4), range(4, 6)]
+    assert kv_transfer.layer_groups(2) == [range(0, 1), range(1, 2)]
 
 
 def check_block_copies(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """The gather and the scatter kernels against their references: pool blocks in any order, staging
-    rows not in order either, nothing else touched."""
+    """The gather and the scatter kernels against their references, for all layers and for a run of
+    them: pool blocks in any order, staging rows not in order either, nothing else touched."""
     gen = torch.Generator(device=device).manual_seed(0)
     kv = torch.randn(shape, generator=gen, device=device).to(dtype)
     rows = 7
-    staging = torch.randn((rows, 2, shape[1], *shape[3:]), generator=gen, device=device).to(dtype)
     ids = torch.tensor([[shape[2] - 1, 0, 3, 1], [2, 6, 0, 3]], device=device)  # distinct blocks, distinct rows
-    expected = staging.clone()
-    gather_blocks_ref(kv, expected, ids)
-    got = staging.clone()
-    gather_blocks(kv, got, ids)
-    assert torch.equal(got, expected) and not torch.equal(got, staging)
-    expected = kv.clone()
-    scatter_blocks_ref(expected, staging, ids)
-    got = kv.clone()
-    scatter_blocks(got, staging, ids)
-    assert torch.equal(got, expected) and not torch.equal(got, kv)
+    for layers in (None, range(1, shape[1])):
+        staging = torch.randn((rows, *block_shape(kv, layers)), generator=gen, device=device).to(dtype)
+        expected = staging.clone()
+        gather_blocks_ref(kv, expected, ids, layers)
+        got = staging.clone()
+        gather_blocks(kv, got, ids, layers)
+        assert torch.equal(got, expected) and not torch.equal(got, staging)
+        expected = kv.clone()
+        scatter_blocks_ref(expected, staging, ids, layers)
+        got = kv.clone()
+        scatter_blocks(got, staging, ids, layers)
+        assert torch.equal(got, expected) and not torch.equal(got, kv)
+        if layers is not None:  # the layers outside the run are untouched
+            assert torch.equal(got[:, :layers.start], kv[:, :layers.start])
 
 
 # A piece (block_size x heads x head_dim) smaller than the kernel's BLOCK, and one that takes two.
@@ -206,6 +227,8 @@ def test_block_copy_kernels_refuse_what_they_cannot_copy():
         scatter_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 8), torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"ids \(2, 1\) torch.int32 must be int64"):
         scatter_blocks(kv, torch.zeros(1, 2, 3, 4, 2, 8), torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"layers range\(2, 4\) must be a non-empty run of the pool's 3 layers"):
+        scatter_blocks(kv, torch.zeros(1, 2, 2, 4, 2, 8), torch.zeros(2, 1, dtype=torch.int64), range(2, 4))
 
 
 # --- the engine, against transformers ----------------------------------------------------------------
@@ -300,16 +323,67 @@ def test_the_tier_makes_later_turns_compute_less(tiny_checkpoint, chat):
     assert loaded > 0 and computed[0] - computed[96] == loaded
 
 
-def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_copy_lands(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=32)
+def evicted_prompt(llm: LLM) -> tuple[list[int], list[int]]:
+    """A prompt of three blocks and five tokens, computed, stored in the host tier and then evicted
+    from the GPU pool (eight blocks) by a longer one; and its greedy answer."""
     prompt = prompt_tokens_for(3 * BS + 5, 1)
-    llm.generate([prompt], greedy(4), use_tqdm=False)
-    llm.generate([prompt_tokens_for(7 * BS, 2)], greedy(4), use_tqdm=False)  # evicts the first from the GPU
+    answer = llm.generate([prompt], greedy(4), use_tqdm=False)[0]["token_ids"]
+    llm.generate([prompt_tokens_for(7 * BS, 2)], greedy(4), use_tqdm=False)
+    return prompt, answer
+
+
+def test_a_host_hit_streams_into_the_step_that_computes_the_rest_of_its_prompt(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=32)
+    prompt, answer = evicted_prompt(llm)
+    events: list = []
+    llm.events.subscribe(events.append)
     request = llm.add_request(prompt, greedy(4))
-    llm.step()  # admitted with a host hit: loading
+    llm.step()
+    assert not llm.scheduler.loading  # it never waited for the copy
+    hit = next(e for e in events if e.kind == "host_hit")
+    step = next(e for e in events if e.kind == "schedule")
+    assert (hit.request_id, hit.hit_tokens) == (request, 3 * BS)
+    # In the load's own step: only the five tokens after the loaded blocks, not a chunk of a prompt.
+    assert (step.step, step.request_ids, step.num_tokens, step.chunked) == (hit.step, (request,), (5,), (False,))
+    assert not any(e.kind == "waiting" and e.reason == "host_load" for e in events)
+    while not llm.is_finished():
+        llm.step()
+    finished = next(e for e in events if e.kind == "request_finished")
+    assert finished.host_cached_tokens == 3 * BS
+    load = next(e for e in events if e.kind == "kv_transfer" and e.transfer_type == "CPU_to_GPU")
+    assert (load.reason, load.request_id, len(load.gpu_block_ids)) == ("load", request, 3)
+    assert llm.generate([prompt], greedy(4), use_tqdm=False)[0]["token_ids"] == answer  # now a GPU hit
+
+
+def test_a_host_hit_waits_in_loading_while_others_decode(tiny_checkpoint):
+    """A mixed step that decodes keeps its decodes off the link: the hit is loaded while they run."""
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=32,
+              batching="mixed")
+    prompt, answer = evicted_prompt(llm)
+    llm.add_request(prompt_tokens_for(BS - 4, 3), greedy(12))
+    llm.step()  # its prefill; from the next step on it decodes
+    request = llm.add_request(prompt, greedy(4))
+    llm.step()
+    assert [seq.seq_id for seq in llm.scheduler.loading] == [request]
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update(llm.step()[0])
+    assert outputs[request] == answer
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_copy_lands(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=32,
+              batching="mixed")
+    prompt, _ = evicted_prompt(llm)
+    other = llm.add_request(prompt_tokens_for(BS - 4, 3), greedy(12))
+    llm.step()
+    request = llm.add_request(prompt, greedy(4))
+    llm.step()  # admitted with a host hit beside a decode: loading
     seq = llm.scheduler.loading[0]
     assert seq.seq_id == request and len(seq.block_table) == 4
-    assert llm.abort_request(request) and llm.is_finished()
+    assert llm.abort_request(request) and llm.abort_request(other)
+    llm.drain()  # the step that decoded ``other``
+    assert llm.is_finished()
     held = [b for b in llm.scheduler.block_manager.blocks if b.ref_count]
     assert len(held) == 4  # the copy into them is still in flight
     llm.step()  # it lands: now they go
@@ -438,14 +512,14 @@ def test_gpu_copies_through_the_streams_are_bit_identical(gpu):
     assert sorted(r.job_id for r in landed) == list(range(6))
     torch.cuda.synchronize()
     for block in range(48):
-        assert torch.equal(handler.host[block].cuda(), original[:, :, block])
+        assert torch.equal(host_block(handler, block).cuda(), original[:, :, block])
     kv.zero_()  # again unwaited: the load must land after it
     handler.submit([TransferSpec(9, False, tuple(range(63, 15, -1)), tuple(range(48)))])
     results = handler.drain()
     assert [r.job_id for r in results] == [9] and results[0].seconds > 0
     assert results[0].num_bytes == 48 * handler.block_bytes
-    for host_block, gpu_block in enumerate(range(63, 15, -1)):
-        assert torch.equal(kv[:, :, gpu_block], original[:, :, host_block])
+    for block, gpu_block in enumerate(range(63, 15, -1)):
+        assert torch.equal(kv[:, :, gpu_block], original[:, :, block])
     assert not kv[:, :, :16].any()
 
 

@@ -262,18 +262,28 @@ def test_a_step_that_admits_nobody_leaves_the_queue_unordered(monkeypatch, polic
     engine.run()
 
 
-def test_a_request_loading_from_the_host_tier_waits_for_it():
-    engine = FakeEngine(transfer_delay=3, num_kvcache_blocks=8, **HOST_TIER)
+@pytest.mark.parametrize("decoding", [False, True])
+def test_a_host_hit_streams_into_its_step_unless_the_step_decodes(decoding):
+    """A step that decodes keeps its decodes off the link: the hit waits in ``loading`` meanwhile.
+    A step that does not is the load's own: its layers wait for the copy on the device."""
+    engine = FakeEngine(transfer_delay=3, num_kvcache_blocks=8, batching="mixed", **HOST_TIER)
     first = engine.add(prompt(4 * BS + 3), max_tokens=2)
     engine.run()
     engine.add(prompt(6 * BS + 3, salt=1), max_tokens=2)  # evicts the first prompt's GPU blocks
     engine.run()
     while engine.offload.in_flight:  # the stores to the host land
         engine.step()
+    if decoding:
+        engine.add(prompt(BS - 4, salt=2), max_tokens=8)
+        engine.step()  # its prefill: it decodes from the next step on
     again = engine.add(prompt(4 * BS + 3), max_tokens=2)
     engine.step()
-    assert again.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and reasons_of(engine)[again.seq_id] == "host_load"
-    assert engine.scheduler.waiting_by_reason()[WAITING_REASONS.index("host_load")] == 1
+    if decoding:
+        assert again.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and reasons_of(engine)[again.seq_id] == "host_load"
+        assert engine.scheduler.waiting_by_reason()[WAITING_REASONS.index("host_load")] == 1
+    else:
+        assert again.status is SequenceStatus.RUNNING and again.num_cached_tokens == 4 * BS + 3
+        assert engine.offload.in_flight  # the copy is still on its way
     engine.run()
     assert again.completion_token_ids == first.completion_token_ids
 
