@@ -33,8 +33,8 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import pairwise
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 

@@ -361,10 +361,13 @@ def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: a
           token_gaps: TokenGaps | None = None) -> list[dict]:
     import httpx
 
-    # A few requests first, so that no server's first-use costs (compilation, graph capture) land in a point.
-    for _ in range(3):
+    # A few requests first, so that no server's first-use costs (compilation, graph capture) land in a
+    # point: short ones, then one as long as the sweep's prompts (kernels compiled for long contexts
+    # otherwise showed up as a second-long TTFT in the first point's p99).
+    for words in (64, 64, 64, args.sweep_prompt_tokens // 4):  # "warm up " is about four tokens
         httpx.post(url + "/v1/chat/completions", timeout=600, json={
-            "model": model, "messages": [{"role": "user", "content": "warm up " * 64}], "max_tokens": 32})
+            "model": model, "messages": [{"role": "user", "content": "warm up " * words}], "max_tokens": 32,
+        }).raise_for_status()
     points = []
     work = Path(tempfile.mkdtemp(prefix="serve-sweep-"))
     if token_gaps is not None:
