@@ -332,6 +332,43 @@ def evicted_prompt(llm: LLM) -> tuple[list[int], list[int]]:
     return prompt, answer
 
 
+def test_a_streamed_step_waits_for_each_layer_group_before_its_first_layer(tiny_checkpoint, monkeypatch):
+    """The device half of a streamed load, with stand-ins for CUDA's events and stream: the handler
+    gives the next step one event per layer group, at the group's first layer; the forward waits for
+    each before that layer runs, and for the last once more after the forward."""
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=8)
+    handler = llm.model_runner.offload
+    groups = handler.groups
+    assert handler.take_layer_waits() is None  # nothing streaming
+    handler._group_ready = [f"group {g}" for g in range(len(groups))]
+    waits = handler.take_layer_waits()
+    assert waits == [f"group {g}" if layer == layers.start else None
+                     for g, layers in enumerate(groups) for layer in layers]
+    assert handler.take_layer_waits() is None  # handed out once
+
+    order: list[str] = []
+
+    class Stream:
+        def wait_event(self, event: str) -> None:
+            order.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    handed = iter([waits])
+    monkeypatch.setattr(handler, "take_layer_waits", lambda: next(handed, None))
+    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: order.append(f"layer {i}"))
+             for i, layer in enumerate(llm.model_runner.model.model.layers)]
+    try:
+        llm.generate([prompt_tokens_for(BS + 3, 5)], greedy(1), use_tqdm=False)  # one prefill step
+    finally:
+        for hook in hooks:
+            hook.remove()
+    expected = []
+    for g, layers in enumerate(groups):
+        for layer in layers:
+            expected += [f"group {g}"] * (layer == layers.start) + [f"layer {layer}"]
+    assert order == [*expected, f"group {len(groups) - 1}"]
+
+
 def test_a_host_hit_streams_into_the_step_that_computes_the_rest_of_its_prompt(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=BS, num_kvcache_blocks=8, num_host_kvcache_blocks=32)
     prompt, answer = evicted_prompt(llm)
