@@ -17,11 +17,14 @@ that layout, one copy per group and run of consecutive host blocks:
 The gather and the scatter are one Triton launch per group (``kernels.kv_blocks``): torch's indexing
 of the pool's block-major view ran at 0.55-1.3 TB/s on an H100, up to a quarter of a job's time.
 
-The compute stream never waits for a copy it does not read. A loaded block is read either once the
-host has seen its copy land, or, for a ``streamed`` load (its request computes in the step launched
-right after it), by that step's layers, each group of them waiting on the device for its group's
-copy (LMCache's layer-wise pipelining): the prompt's new tokens are computed while the rest of its
-prefix is still on the link. The host tier never submits more stores than the store staging holds.
+A loaded block is read either once the host has seen its copy land, or, for a ``streamed`` load (its
+request computes in the step launched right after it), by that step's layers, each group of them
+waiting on the device for its group's copy (LMCache's layer-wise pipelining): the prompt's new tokens
+are computed while the rest of its prefix is still on the link. Loads share one stream, so a streamed
+step also waits for the loads submitted before its own: those of earlier steps still on the link
+(a step's streamed loads go before its other loads), and, with several streamed loads in one step,
+the earlier ones whole. The compute stream waits for no other copy. The host tier never submits more
+stores than the store staging holds.
 
 On the CPU both pools are tensors in host memory and a copy is done when it is submitted: the same
 jobs and bookkeeping, exercised by CI.
@@ -133,8 +136,10 @@ class OffloadingHandler:
 
     @torch.inference_mode()
     def submit(self, specs: list[TransferSpec]) -> None:
-        """Start jobs, in order; call between steps, before the next launch."""
-        for spec in specs:
+        """Start jobs: stores in order, then streamed loads, then the others; call between steps,
+        before the next launch. Loads share one stream, so a streamed load goes before the loads its
+        step does not read (a store must still precede any load, which may write the block it reads)."""
+        for spec in sorted(specs, key=lambda spec: (not spec.store, not spec.streamed)):
             (self._store if spec.store else self._load)(spec)
 
     def _store(self, spec: TransferSpec) -> None:

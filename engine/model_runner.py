@@ -437,17 +437,19 @@ class ModelRunner:
         n = len(seqs)
         padded_batch_size = launch_order = None
         if phase != "decode":
-            input_ids, positions = self.prepare_prefill(seqs)
-            temperatures = self._tensor([seq.temperature for seq in seqs], np.float32)
-            kv_ready = get_context().kv_ready = None if self.offload is None else self.offload.take_layer_waits()
-            t1 = time.perf_counter()
+            # Taken first: whatever happens below, the streamed loads' events are this step's.
+            kv_ready = None if self.offload is None else self.offload.take_layer_waits()
             try:
+                input_ids, positions = self.prepare_prefill(seqs)
+                get_context().kv_ready = kv_ready
+                temperatures = self._tensor([seq.temperature for seq in seqs], np.float32)
+                t1 = time.perf_counter()
                 logits = self.model.compute_logits(self.model(input_ids, positions))
             finally:
                 reset_context()
                 if kv_ready is not None:
                     # Every later use of the loaded blocks comes after the whole copy, also when the
-                    # forward stopped short of its last layer group.
+                    # step failed before its last layer group.
                     torch.cuda.current_stream().wait_event(next(e for e in reversed(kv_ready) if e is not None))
         else:
             # Longest context first: the attention grid starts its longest programs first and ends on

@@ -14,7 +14,18 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.events import TRANSFER_TYPES, BlockEvict, BlockStored, EngineStarted, HostHit, KVTransfer, Preempt, Step, SwapIn
+from engine.events import (
+    TRANSFER_TYPES,
+    BlockEvict,
+    BlockStored,
+    EngineStarted,
+    HostHit,
+    KVTransfer,
+    Preempt,
+    Schedule,
+    Step,
+    SwapIn,
+)
 
 # vLLM's transfer-size buckets (bytes).
 TRANSFER_SIZE_BUCKETS = [1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6]
@@ -62,7 +73,8 @@ class OffloadMetrics:
         self.swap_ins = make(Counter, "glassbox:swap_ins", "Swapped-out requests re-admitted by a load.")
         self.load_wait = make(Histogram, "glassbox:kv_load_wait_seconds",
                               "Time a request waited for its K/V from the host tier (host hit or swap-in to "
-                              "the copy landing).", buckets=LOAD_WAIT_BUCKETS)
+                              "its next schedule; about 0 for a load streamed into the step that computes "
+                              "the request).", buckets=LOAD_WAIT_BUCKETS)
         self._loads_since: dict[int, float] = {}
 
     def host_hit(self, e: HostHit) -> None:
@@ -91,9 +103,16 @@ class OffloadMetrics:
             family[t].inc(e.seconds)
         for family in (self.size, self.flat_size):
             family[t].observe(e.num_bytes)
-        since = self._loads_since.pop(e.request_id, None) if t == "CPU_to_GPU" else None
-        if since is not None:
-            self.load_wait.observe(e.t - since)
+
+    def schedule(self, e: Schedule) -> None:
+        """A request scheduled after a host hit or swap-in stopped waiting for its K/V: at once when
+        its load streams into this step, once the copy has landed otherwise."""
+        if not self._loads_since:
+            return
+        for request_id in e.request_ids:
+            since = self._loads_since.pop(request_id, None)
+            if since is not None:
+                self.load_wait.observe(e.t - since)
 
     def step(self, e: Step) -> None:
         self.usage.set(1.0 - e.free_cpu_blocks / self._num_cpu_blocks)

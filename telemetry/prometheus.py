@@ -572,6 +572,8 @@ class PrometheusExporter(Consumer):
         chunks = sum(e.chunked)
         if chunks:
             self.prefill_chunks.inc(chunks)
+        if self.offload is not None:
+            self.offload.schedule(e)
 
     def _on_preempt(self, e: Preempt) -> None:
         self.preemptions.inc()

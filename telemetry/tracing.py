@@ -243,7 +243,9 @@ class RequestTracer(Consumer):
         })  # fmt: skip
 
     def _on_transfer(self, e: KVTransfer) -> None:
-        """A load from the host tier that a request waited for (a prefix hit or its swap-in)."""
+        """A load from the host tier into a request's blocks (a prefix hit or its swap-in), when it
+        landed; ``waited_s`` is the copy's time from issue, which a streamed load's request spent
+        computing rather than waiting."""
         if e.transfer_type != "CPU_to_GPU" or e.request_id not in self._requests:
             return  # a store, or the load of a request aborted while it waited (its span has ended)
         self._span_event(e.request_id, "kv_loaded", e, {

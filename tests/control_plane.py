@@ -121,7 +121,9 @@ class FakeOffload:
             if spec.store:
                 for host_block, slots in zip(spec.cpu_block_ids, gathered):
                     self.host_kv[host_block] = slots
-            else:
+            elif not spec.streamed:
+                # A streamed load was in place before its step read it, and everything after that
+                # step (a new owner of its blocks too) comes after the whole copy on the device.
                 self._write(spec)
             n = len(spec.gpu_block_ids)
             results.append(TransferResult(spec.job_id, n * BLOCK_BYTES, n * COPY_SECONDS_PER_BLOCK))

@@ -178,6 +178,16 @@ def test_blocks_stored_and_loaded_back_are_bit_identical(monkeypatch):
     assert kv[:, :, [0, 2, 3, 4, 5, 7]].abs().sum() == 0  # nothing else was written
 
 
+def test_stores_go_first_then_streamed_loads_then_the_others():
+    """Loads share one stream: a streamed load goes before the loads its step does not read, and no
+    load before a store (it may write a block the store reads)."""
+    kv = torch.randn(2, 2, 8, BS, 2, 8)
+    handler = OffloadingHandler(kv, num_host_blocks=6, store_slots=3)
+    handler.submit([TransferSpec(0, False, (1,), (0,)), TransferSpec(1, True, (2,), (1,)),
+                    TransferSpec(2, False, (3,), (2,), streamed=True), TransferSpec(3, False, (4,), (3,))])
+    assert [r.job_id for r in handler.poll()] == [1, 2, 0, 3]
+
+
 def test_layer_groups_split_the_layers_evenly():
     assert kv_transfer.layer_groups(36) == [range(0, 9), range(9, 18), range(18, 27), range(27, 36)]
     assert kv_transfer.layer_groups(28) == [range(0, 7), range(7, 14), range(14, 21), range(21, 28)]

@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError
 from engine.scheduling_policy import LPM_MAX_WAITING, make_policy
 from engine.sequence import Sequence, SequenceStatus
-from tests.control_plane import HOST_TIER, FakeEngine
+from tests.control_plane import HOST_TIER, FakeEngine, check_idle
 from tests.reference import hf_greedy
 
 BS = 16
@@ -286,6 +286,25 @@ def test_a_host_hit_streams_into_its_step_unless_the_step_decodes(decoding):
         assert engine.offload.in_flight  # the copy is still on its way
     engine.run()
     assert again.completion_token_ids == first.completion_token_ids
+
+
+def test_a_streamed_request_may_finish_and_its_blocks_move_on_before_its_copy_lands():
+    """The copy is ordered before every later step on the device, not on the host: its request can
+    finish, and another can take its blocks, while the host still counts the copy in flight."""
+    engine = FakeEngine(transfer_delay=5, num_kvcache_blocks=8, **HOST_TIER)
+    first = engine.add(prompt(4 * BS + 3), max_tokens=2)
+    engine.run()
+    engine.add(prompt(6 * BS + 3, salt=1), max_tokens=2)  # evicts the first prompt's GPU blocks
+    engine.run()
+    while engine.offload.in_flight:
+        engine.step()
+    again = engine.add(prompt(4 * BS + 3), max_tokens=1)
+    engine.step()
+    assert again.num_prompt_host_tokens > 0 and engine.offload.in_flight  # its copy is on its way
+    other = engine.add(prompt(7 * BS + 3, salt=9), max_tokens=2)  # needs the blocks it lets go
+    engine.run()
+    assert again.completion_token_ids == first.completion_token_ids[:1] and other.is_finished
+    check_idle(engine)
 
 
 # --- every combination, against transformers --------------------------------------------------------
