@@ -154,6 +154,9 @@ class Scheduler:
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.policy = make_policy(config.scheduling_policy)
         self.waiting: deque[Sequence] = deque()
+        # ``waiting_reason`` counted over ``waiting``, kept as requests come, go and change reason:
+        # every step reports the counts, and a count of a long queue each time cost more than the step.
+        self._waiting_reasons: Counter[str | None] = Counter()
         self.running: deque[Sequence] = deque()
         self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE_KVS, in admission order
 
@@ -195,7 +198,7 @@ class Scheduler:
         ``request_arrived`` event."""
         self.check(seq.num_prompt_tokens, seq.max_tokens)
         self.check_capacity()
-        self.waiting.append(seq)
+        self._enqueue(seq, len(self.waiting))
         if self.events.active:
             params = seq.params
             self.events.emit(RequestArrived, request_id=seq.seq_id, prompt_tokens=seq.num_prompt_tokens,
@@ -340,7 +343,7 @@ class Scheduler:
             if partial and not self.mixed:  # part-way through: its rest, and everyone else, wait for a budget
                 hold(i, "budget", "budget")
                 break
-            self.waiting.remove(seq)
+            self._dequeue(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         self._note_waiting([(seq, reason) for seq, reason in reasons.items() if seq.waiting_reason != reason])
@@ -405,9 +408,20 @@ class Scheduler:
                     self._last_turn = (seq.seq_id, self.running.index(seq))
         return budget, preempted
 
+    def _enqueue(self, seq: Sequence, index: int) -> None:
+        self.waiting.insert(index, seq)
+        self._waiting_reasons[seq.waiting_reason] += 1
+
+    def _dequeue(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self._waiting_reasons[seq.waiting_reason] -= 1
+
     def _note_waiting(self, changed: list[tuple[Sequence, str]]) -> None:
         """Keep why each of these requests now waits (each a change); emit them."""
         for seq, reason in changed:
+            if seq.status is SequenceStatus.WAITING:  # in ``waiting`` (else loading, counted apart)
+                self._waiting_reasons[seq.waiting_reason] -= 1
+                self._waiting_reasons[reason] += 1
             seq.waiting_reason = reason
         if changed and self.events.active:
             self.events.emit(Waiting, request_ids=tuple(s.seq_id for s, _ in changed),
@@ -418,9 +432,9 @@ class Scheduler:
 
     def waiting_by_reason(self) -> tuple[int, ...]:
         """How many requests wait for each of ``WAITING_REASONS`` (loading ones for a host load)."""
-        counts = Counter(seq.waiting_reason for seq in self.waiting)
-        counts["host_load"] += len(self.loading)
-        return tuple(counts[reason] for reason in WAITING_REASONS)
+        counts = self._waiting_reasons
+        return tuple(counts[reason] + (len(self.loading) if reason == "host_load" else 0)
+                     for reason in WAITING_REASONS)
 
     # --- the host tier -------------------------------------------------------------------------
 
@@ -432,7 +446,7 @@ class Scheduler:
         return self.host_tier.lookup(seq, start, (seq.num_tokens - 1) // self.block_manager.block_size)
 
     def _start_loading(self, seq: Sequence, job_id: int) -> None:
-        self.waiting.remove(seq)
+        self._dequeue(seq)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
         seq.load_job = job_id
         self.loading.append(seq)
@@ -519,6 +533,7 @@ class Scheduler:
             arrived = set(landed)
             self.loading = [seq for seq in self.loading if seq not in arrived]
             self.waiting.extendleft(reversed(landed))
+            self._waiting_reasons.update(seq.waiting_reason for seq in landed)
 
     def _last_token_in_flight(self, seq: Sequence) -> bool:
         """Whether the token a step in flight is sampling for ``seq`` is its last (by length: a stop
@@ -535,12 +550,12 @@ class Scheduler:
         holding = 0
         while holding < len(self.waiting) and self.waiting[holding].block_table:
             holding += 1
-        self.waiting.insert(holding, seq)
+        seq.waiting_reason = "kv_blocks"
+        self._enqueue(seq, holding)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         seq.prefilled = False
-        seq.waiting_reason = "kv_blocks"
         bm, mode = self.block_manager, "recompute"
         if self.swap and seq.num_cached_tokens > 0:
             num_blocks = bm.blocks_needed(seq.num_cached_tokens)
@@ -654,7 +669,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, now: float, queue: deque[Sequence] | list[Sequence]) -> None:
         """Take ``seq`` out of ``queue`` and release its blocks (a loading request's once the copy
         into them has landed); the events follow the state change."""
-        queue.remove(seq)
+        if queue is self.waiting:
+            self._dequeue(seq)
+        else:
+            queue.remove(seq)
         seq.truncate(seq.num_known_tokens)  # an aborted request drops the tokens still in flight
         loading = seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
         seq.status = SequenceStatus.FINISHED

@@ -33,6 +33,7 @@ from engine.block_manager import NO_HASH, BlockManager
 from engine.config import Config
 from engine.host_tier import TransferResult, TransferSpec
 from engine.events import (
+    WAITING_REASONS,
     CudaGraphCapture,
     CudaGraphReplay,
     EngineStarted,
@@ -383,6 +384,10 @@ def check_invariants(engine: FakeEngine) -> None:
         check_host_tier(engine)
     for seq in sched.loading:
         assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and seq.load_job in tier.jobs
+    recount = Counter(seq.waiting_reason for seq in sched.waiting)
+    recount["host_load"] += len(sched.loading)
+    assert sched.waiting_by_reason() == tuple(recount[r] for r in WAITING_REASONS), "waiting counts drifted"
+    assert all(seq.status is SequenceStatus.WAITING for seq in sched.waiting)
     live = [s.seq_id for s in (*sched.waiting, *sched.loading, *sched.running)]
     done = [s.seq_id for s in engine.finished]
     assert len(live) + len(done) == len(set(live) | set(done)), "a request is in two places"
