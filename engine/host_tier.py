@@ -184,7 +184,8 @@ class HostTier:
     # --- jobs -----------------------------------------------------------------------------------
 
     def _job(self, store: bool, gpu_block_ids: list[int], cpu_block_ids: list[int], reason: str,
-             request: Sequence | None, stores: list[OffloadCandidate] | None = None, streamed: bool = False) -> OffloadJob:
+             request: Sequence | None, stores: list[OffloadCandidate] | None = None,
+             streamed: bool = False) -> OffloadJob:
         spec = TransferSpec(self._next_job_id, store, tuple(gpu_block_ids), tuple(cpu_block_ids), streamed)
         self._next_job_id += 1
         job = OffloadJob(spec, reason, request, time.perf_counter(), stores or [])

@@ -324,9 +324,7 @@ class Scheduler:
                         reasons[seq] = "host_load"
                         continue
                     continuing = True  # its blocks are allocated, its prefix counted as cached
-            # Prefill-first: only the first request of a step may be cut short, later ones wait for a
-            # whole budget. Mixed: any may be, to what is left.
-            if budget < num_tokens and batch and not self.mixed:
+            if self._waits_for_budget(batch, budget, num_tokens):
                 hold(i, "budget", "budget")
                 break
             if not continuing:
@@ -451,13 +449,17 @@ class Scheduler:
         seq.load_job = job_id
         self.loading.append(seq)
 
+    def _waits_for_budget(self, batch: ScheduledBatch, budget: int, num_tokens: int) -> bool:
+        """Whether a prompt needing ``num_tokens`` waits for a later step's budget. Prefill-first: only
+        the first request of a step may be cut short, later ones wait for a whole budget. Mixed: any
+        may be, to what is left."""
+        return budget < num_tokens and bool(batch) and not self.mixed
+
     def _can_stream(self, batch: ScheduledBatch, budget: int, num_tokens: int) -> bool:
         """Whether a prefix load may stream into this step: the step computes the rest of the prompt
-        (``num_tokens``, as an admission's budget rule says) and decodes nobody, whose token would wait
-        for the link too. Not in CPU-offload mode, whose ring runs its own copies."""
-        if self.ring or not all(batch.prefill):
-            return False
-        return not (budget < num_tokens and batch and not self.mixed)
+        (``num_tokens``) and decodes nobody, whose token would wait for the link too. Not in
+        CPU-offload mode, whose ring runs its own copies."""
+        return not self.ring and all(batch.prefill) and not self._waits_for_budget(batch, budget, num_tokens)
 
     def _load_prefix(self, seq: Sequence, hit_block_ids: list[int], host_hit_ids: list[int], now: float,
                      streamed: bool) -> None:
