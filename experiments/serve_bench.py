@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -307,7 +308,8 @@ def online_run(args: argparse.Namespace, directory: Path, prompts: list[list[int
 # --- the sweep --------------------------------------------------------------------------------------
 
 def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, requests: int, prompt_tokens: int,
-                   output_tokens: int, out: Path, seed: int) -> dict:
+                   output_tokens: int, out: Path, seed: int) -> tuple[dict, dict[str, float]]:
+    """guidellm's summary of one rate, and each successful request's TTFT by its response id."""
     binary = Path(sys.executable).with_name("guidellm")
     # The output length goes in as max_tokens, not as the data's output_tokens, which would also send
     # ignore_eos: a vLLM extension transformers serve refuses. Random weights sample the end of
@@ -323,42 +325,115 @@ def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, reque
                          timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"guidellm failed at rate {rate}: {run.stdout[-1500:]}{run.stderr[-1500:]}")
-    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    benchmark = json.loads(out.read_text())["benchmarks"][0]
+    m = benchmark["metrics"]
 
     def pct(name: str, p: str) -> float:
         return m[name]["successful"]["percentiles"][p] / 1e3
 
+    ttfts = {r["response_id"]: r["time_to_first_token_ms"] / 1e3 for r in benchmark["requests"]["successful"]
+             if r["response_id"] is not None and r["time_to_first_token_ms"] is not None}
     return {"rate": rate, "completed": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"],
             "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
             "ttft_p50_s": pct("time_to_first_token_ms", "p50"), "ttft_p99_s": pct("time_to_first_token_ms", "p99"),
-            "itl_p50_s": pct("inter_token_latency_ms", "p50"), "itl_p99_s": pct("inter_token_latency_ms", "p99")}
+            "itl_p50_s": pct("inter_token_latency_ms", "p50"), "itl_p99_s": pct("inter_token_latency_ms", "p99")}, ttfts
 
 
-class TokenGaps:
-    """Every inter-token latency the engine produced (its ``tokens`` events), per token, not averaged
-    per request as guidellm's ITL is: a stall shows in its p99 undiluted."""
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request as the engine saw it (``request_finished``)."""
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    """One engine step (``step``), from its start to its results."""
+    start: float
+    end: float
+    phase: str
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass
+class PointView:
+    """What the engine saw during one sweep point."""
+    gaps: list[float] = field(default_factory=list)  # every inter-token gap, seconds
+    requests: dict[str, RequestSpan] = field(default_factory=dict)  # by the client's name (response id)
+    steps: list[StepSpan] = field(default_factory=list)
+
+
+class EngineView:
+    """The engine's side of each sweep point, from its events: every inter-token gap (per token, not
+    averaged per request as guidellm's ITL is, so a stall shows in its p99 undiluted), each request's
+    arrival, first schedule and first token by the response id the client also records, and every
+    step. With them a slow first token splits into the time before the engine had the request, its
+    time queued, and the steps that ran until its token."""
 
     def __init__(self, events) -> None:
         self._last: dict[int, float] = {}
-        self._gaps: list[float] = []
+        self._names: dict[int, str] = {}
+        self._point = PointView()
         self.unsubscribe = events.subscribe(self._on_batch, batched=True)
 
     def _on_batch(self, batch) -> None:  # the server's event loop
+        point = self._point
         for e in batch:
             if e.kind == "tokens":
                 for request_id in e.request_ids:
                     if request_id in self._last:
-                        self._gaps.append(e.t - self._last[request_id])
+                        point.gaps.append(e.t - self._last[request_id])
                     self._last[request_id] = e.t
+            elif e.kind == "step":
+                point.steps.append(StepSpan(e.t - e.duration_s, e.t, e.phase, e.num_prefill_tokens,
+                                            e.num_decode_tokens))
+            elif e.kind == "request_arrived" and e.client_id is not None:
+                self._names[e.request_id] = e.client_id
+            elif e.kind == "request_finished":
+                self._last.pop(e.request_id, None)
+                if e.request_id in self._names:
+                    point.requests[self._names.pop(e.request_id)] = RequestSpan(e.arrival, e.first_scheduled,
+                                                                                e.first_token)
 
-    def take(self) -> list[float]:
-        """The gaps since the last call (between two sweep points the engine is idle)."""
-        gaps, self._gaps, self._last = self._gaps, [], {}
-        return gaps
+    def take(self) -> PointView:
+        """What was seen since the last call (between two sweep points the engine is idle)."""
+        point, self._point, self._last = self._point, PointView(), {}
+        return point
+
+
+def p99(values: list[float]) -> float | None:
+    """The nearest-rank 99th percentile, None for no values."""
+    values = sorted(values)
+    return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))] if values else None
+
+
+def engine_side(view: PointView, client_ttfts: dict[str, float]) -> dict:
+    """The point's per-token ITL p99 and engine TTFT p99 (arrival at the engine to its first token),
+    and where the client's slowest first token went: before the engine had it (HTTP, tokenising, the
+    hop to the engine process), queued, and the steps from its arrival to its token, the longest
+    named. ``client_ttfts``: the client's TTFT by response id."""
+    ttfts = [r.first_token - r.arrival for r in view.requests.values() if r.first_token is not None]
+    out = {"token_itl_p99_s": p99(view.gaps), "engine_ttft_p99_s": p99(ttfts)}
+    seen = [rid for rid in client_ttfts if rid in view.requests and view.requests[rid].first_token is not None]
+    if seen:
+        rid = max(seen, key=client_ttfts.__getitem__)
+        r = view.requests[rid]
+        steps = [s for s in view.steps if s.end > r.arrival and s.start < r.first_token]
+        longest = max(steps, key=lambda s: s.end - s.start, default=None)
+        out["slowest"] = {
+            "ttft_s": round(client_ttfts[rid], 4), "engine_ttft_s": round(r.first_token - r.arrival, 4),
+            "queued_s": round((r.first_scheduled or r.first_token) - r.arrival, 4), "steps": len(steps),
+            "prefill_tokens": sum(s.prefill_tokens for s in steps),
+            "longest_step": None if longest is None else {
+                "seconds": round(longest.end - longest.start, 4), "phase": longest.phase,
+                "prefill_tokens": longest.prefill_tokens, "decode_tokens": longest.decode_tokens}}
+    return out
 
 
 def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: argparse.Namespace,
-          token_gaps: TokenGaps | None = None) -> list[dict]:
+          engine: EngineView | None = None) -> list[dict]:
     import httpx
 
     # A few requests first, so that no server's first-use costs (compilation, graph capture) land in a
@@ -370,19 +445,18 @@ def sweep(url: str, model: str, tokenizer_dir: Path, rates: list[float], args: a
         }).raise_for_status()
     points = []
     work = Path(tempfile.mkdtemp(prefix="serve-sweep-"))
-    if token_gaps is not None:
-        token_gaps.take()  # not the warm-up's
+    if engine is not None:
+        engine.take()  # not the warm-up's
     for i, rate in enumerate(rates):
         progress(f"  rate {rate}/s")
-        requests = max(30, round(rate * args.sweep_seconds))
+        requests = max(args.sweep_min_requests, round(rate * args.sweep_seconds))
         # Prompts of their own at each point: with one seed every point would resend the first
         # point's prompts, which the server's prefix cache still holds. The same seeds for every
         # server swept, so that each rate sends each server the same prompts.
-        point = guidellm_point(url, model, tokenizer_dir, rate, requests, args.sweep_prompt_tokens,
-                               args.sweep_output_tokens, work / f"rate-{rate}.json", seed=i + 1)
-        if token_gaps is not None:
-            gaps = sorted(token_gaps.take())
-            point["token_itl_p99_s"] = gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))] if gaps else None
+        point, client_ttfts = guidellm_point(url, model, tokenizer_dir, rate, requests, args.sweep_prompt_tokens,
+                                             args.sweep_output_tokens, work / f"rate-{rate}.json", seed=i + 1)
+        if engine is not None:
+            point.update(engine_side(engine.take(), client_ttfts))
         points.append(point)
         print(json.dumps(point), flush=True)
         if point["ttft_p99_s"] > 4 * TTFT_P99_TARGET_S:
@@ -438,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests")
     parser.add_argument("--sweep", metavar="RATES", help="comma-separated request rates for the guidellm sweep")
     parser.add_argument("--sweep-seconds", type=float, default=12.0,
-                        help="requests per rate: this many seconds of arrivals (at least 30 requests)")
+                        help="requests per rate: this many seconds of arrivals (default: %(default)s)")
+    parser.add_argument("--sweep-min-requests", type=int, default=30,
+                        help="but at least this many, so that a p99 is not one request's (default: %(default)s)")
     parser.add_argument("--sweep-prompt-tokens", type=int, default=512)
     parser.add_argument("--sweep-output-tokens", type=int, default=256)
     parser.add_argument("--sweep-batching", metavar="RULES", type=_batching_rules,
@@ -511,11 +587,11 @@ def report_throughput(results: dict) -> None:
 def sweep_glassbox(args: argparse.Namespace, directory: Path, rates: list[float], batching: str) -> list[dict]:
     progress(f"sweep: glassbox, {batching} batching")
     with running_server(args, directory, batching=batching) as server:
-        token_gaps = TokenGaps(server.engine.events)
+        engine = EngineView(server.engine.events)
         try:
-            return sweep(server.url, "bench", directory, rates, args, token_gaps)
+            return sweep(server.url, "bench", directory, rates, args, engine)
         finally:
-            token_gaps.unsubscribe()
+            engine.unsubscribe()
 
 
 def sweep_hf(directory: Path, rates: list[float], args: argparse.Namespace) -> list[dict]:
