@@ -31,6 +31,7 @@ from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
 from engine.offload_engine import OffloadEngine, chunk_limit
 from engine.sequence import PLACEHOLDER, Sequence
+from kernels.skinny_gemm import tile_rows
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
 from models.context import Context, get_context, reset_context, set_context
@@ -149,6 +150,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_bs: list[int] = []
         self.graph_logits: torch.Tensor | None = None  # rank 0's; other ranks' graphs end in the gather
+        if self.device.type == "cuda" and self.ring is None:
+            self.compile_step_kernels()
 
     @property
     def uses_cudagraphs(self) -> bool:
@@ -203,6 +206,26 @@ class ModelRunner:
             # Compile the sampler's kernels now rather than stall the first request (the batch size
             # is only their grid, so one call covers every size).
             self.sampler(logits[:1].contiguous(), torch.ones(1, device=self.device))
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def compile_step_kernels(self) -> None:
+        """Run the prefill path, through the KV cache, once at the fewest rows of each small-product
+        tile (``kernels.skinny_gemm.tile_rows``), so that no request's step compiles a kernel: a
+        compile stalls every request in its step, up to a second, and small prefill and mixed steps
+        have row counts no decode graph has. The K/V all go to block 0, which holds nothing yet."""
+        max_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        block_tables = torch.zeros(1, self.decode_inputs.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        for rows in tile_rows(max_len):
+            positions = torch.arange(rows, device=self.device)
+            cu = torch.tensor([0, rows], dtype=torch.int32, device=self.device)
+            set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=rows,
+                                max_seqlen_k=rows, slot_mapping=positions % self.block_size,
+                                block_tables=block_tables))
+            try:
+                self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
+            finally:
+                reset_context()
         torch.cuda.synchronize(self.device)
 
     def allocate_kv_cache(self) -> None:

@@ -48,7 +48,10 @@ class GemmConfig:
     split_k: int = 1  # programs per output tile, each reducing its own 1/split_k of K
 
 
-@triton.jit
+# M (the rows) changes with every small prefill or mixed step: specialising it (== 1, divisible by
+# 16) compiled a new kernel mid-run, a step stalled up to a second, whenever a step's row count fell
+# into a class no earlier product of that tile had (the rows are masked, so nothing is lost).
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, y_ptr,
     M, N, K_PER_SPLIT,
@@ -111,6 +114,22 @@ def choose_split_k_config(m: int, k: int) -> GemmConfig | None:
     if block_k is None:
         return None
     return GemmConfig(min(64, max(16, triton.next_power_of_2(m))), 32, block_k, split_k=split_k)
+
+
+def tile_rows(max_rows: int) -> list[int]:
+    """The fewest rows of each tile that ``choose_config`` and ``choose_split_k_config`` pick for 1 to
+    ``max_rows`` rows: a product of each of these many rows compiles every kernel that products of up
+    to ``max_rows`` rows run (a weight's K picks its reduction step whatever the rows)."""
+    rows, seen = [], set()
+    for m in range(1, max_rows + 1):
+        tiles = (choose_config(m, _ANY_K), choose_split_k_config(m, _ANY_K))
+        if tiles not in seen:
+            seen.add(tiles)
+            rows.append(m)
+    return rows
+
+
+_ANY_K = 2**12  # a K every reduction step divides: the tiles then differ only where the rows pick
 
 
 def _tiled_for(x: torch.Tensor) -> bool:

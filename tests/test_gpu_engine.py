@@ -141,6 +141,44 @@ def test_mixed_batching_matches_transformers_through_prefill_and_decode_in_one_s
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
+def test_no_step_compiles_a_kernel_after_start_up():
+    """A Triton compile inside a step stalls every request in it (about a second on the 4B, seen as
+    single slow first tokens in serving sweeps). Start-up compiles what any step runs: the decode
+    graphs, and the prefill path at each small-product tile, which covers the row count of every
+    small prefill and mixed step."""
+    import triton
+
+    model_dir = ensure_checkpoint("tiny")
+    llm = LLM(str(model_dir), kvcache_block_size=16, max_model_len=1024, gpu_memory_utilization=0.3,
+              batching="mixed", max_num_batched_tokens=256, max_num_seqs=8)  # graphs of 1 to 8 rows only
+    rows: set[int] = set()
+    llm.events.subscribe(lambda e: rows.add(e.num_prefill_tokens + e.num_decode_tokens)
+                         if e.kind == "step" and e.phase != "decode" else None)
+    compiled: list[str] = []
+
+    def on_compile(*, repr: str, **_) -> bool:  # an in-memory cache miss, before compiling
+        compiled.append(repr)
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = on_compile
+    try:
+        rng = random.Random(3)
+        vocab = llm.model_config.vocab_size
+        for i, n in enumerate(list(range(1, 40)) + [rng.randrange(40, 700) for _ in range(20)]):
+            params = SamplingParams(temperature=0.0 if i % 3 else 0.8, max_tokens=rng.randrange(2, 20), ignore_eos=True)
+            llm.add_request([rng.randrange(vocab) for _ in range(n)], params)
+            for _ in range(2):
+                if not llm.is_finished():
+                    llm.step()
+        while not llm.is_finished():
+            llm.step()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+        llm.close()
+    assert len(rows) >= 40 and min(rows) < 16 < max(rows)  # small prefill and mixed steps of many sizes
+    assert compiled == []
+
+
 @pytest.mark.parametrize("preset,block_size,slots", [("tiny", 16, 4), ("qwen3-0.6b", 256, 3)])
 def test_cpu_offload_mode_matches_transformers_through_the_ring(preset, block_size, slots):
     """Seed 004's CPU-primary KV on the GPU: every block in pinned host memory, a ring of a few slots,

@@ -36,6 +36,7 @@ from kernels.skinny_gemm import (
     skinny_gemm_fits,
     skinny_gemm_partials,
     split_k_fits,
+    tile_rows,
 )
 from models.rotary import RotaryEmbedding
 
@@ -379,6 +380,17 @@ def _check_skinny_gemm(m: int, n: int, k: int, silu_mul: bool, config: GemmConfi
 def test_skinny_gemm_cpu(m: int, n: int, k: int, silu_mul: bool, config: GemmConfig | None,
                          dtype: torch.dtype) -> None:
     _check_skinny_gemm(m, n, k, silu_mul, config, dtype, "cpu", m)
+
+
+@pytest.mark.parametrize("k", [96, 256, 1024, 2560, 3072, 9728])
+def test_tile_rows_reach_every_tile_a_row_count_picks(k: int) -> None:
+    # The engine's warm-up runs one product at each of tile_rows: every row count a later step can
+    # have must pick a tile one of them picked, or that step compiles a kernel (M is unspecialised).
+    rows = tile_rows(2048)
+    assert rows[0] == 1 and rows == sorted(set(rows))
+    warmed = {(choose_config(m, k), choose_split_k_config(m, k)) for m in rows}
+    assert {(choose_config(m, k), choose_split_k_config(m, k)) for m in range(1, 2049)} == warmed
+    assert tile_rows(16) == [1] and tile_rows(40) == rows[:3]
 
 
 def _check_skinny_gemm_partials(m: int, n: int, k: int, config: GemmConfig | None, dtype: torch.dtype,
