@@ -321,8 +321,10 @@ def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, reque
                "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
                "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens}", "--seed", f"kind=static,value={seed}",
                "--output", f"kind=json,path={out}", "--disable-progress"]
-    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                         timeout=900)
+    # One worker process: guidellm 0.8.1 seeds each worker's Poisson generator alike, so with its
+    # default of ten every inter-arrival gap comes ten times over, and arrivals come in clumps of ten.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"guidellm failed at rate {rate}: {run.stdout[-1500:]}{run.stderr[-1500:]}")
     benchmark = json.loads(out.read_text())["benchmarks"][0]
@@ -331,9 +333,13 @@ def guidellm_point(url: str, model: str, tokenizer_dir: Path, rate: float, reque
     def pct(name: str, p: str) -> float:
         return m[name]["successful"]["percentiles"][p] / 1e3
 
-    ttfts = {r["response_id"]: r["time_to_first_token_ms"] / 1e3 for r in benchmark["requests"]["successful"]
+    done = benchmark["requests"]["successful"]
+    ttfts = {r["response_id"]: r["time_to_first_token_ms"] / 1e3 for r in done
              if r["response_id"] is not None and r["time_to_first_token_ms"] is not None}
+    # How late guidellm sent a request against its Poisson schedule: a late client bunches arrivals.
+    late = max((r["request_dispatch_delay"] for r in done if r["request_dispatch_delay"] is not None), default=None)
     return {"rate": rate, "completed": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"],
+            "dispatch_delay_max_s": late,
             "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
             "ttft_p50_s": pct("time_to_first_token_ms", "p50"), "ttft_p99_s": pct("time_to_first_token_ms", "p99"),
             "itl_p50_s": pct("inter_token_latency_ms", "p50"), "itl_p99_s": pct("inter_token_latency_ms", "p99")}, ttfts
