@@ -31,6 +31,7 @@ from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
 from engine.offload_engine import OffloadEngine, chunk_limit
 from engine.sequence import PLACEHOLDER, Sequence
+from kernels.paged_attention import decode_batches
 from kernels.skinny_gemm import tile_rows
 from models.attention import TORCH_BACKEND, AttentionBackend, attention_layers, set_attention_backend
 from models.config import Qwen3Config, dtype_name, parse_dtype
@@ -210,23 +211,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_step_kernels(self) -> None:
-        """Run the prefill path, through the KV cache, once at the fewest rows of each small-product
-        tile (``kernels.skinny_gemm.tile_rows``), so that no request's step compiles a kernel: a
-        compile stalls every request in its step, up to a second, and small prefill and mixed steps
-        have row counts no decode graph has. The K/V all go to block 0, which holds nothing yet."""
+        """Compile now every kernel variant a request's step can run (a compile stalls every request
+        in its step, up to a second), beyond the decode graphs: prefills at the fewest rows of each
+        small-product tile (small prefill and mixed steps have row counts no graph has), and mixed
+        steps at the fewest decode rows of each decode-kernel variant. The K/V all go to block 0,
+        which holds nothing yet."""
         max_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        block_tables = torch.zeros(1, self.decode_inputs.max_blocks_per_seq, dtype=torch.int32, device=self.device)
         for rows in tile_rows(max_len):
-            positions = torch.arange(rows, device=self.device)
-            cu = torch.tensor([0, rows], dtype=torch.int32, device=self.device)
-            set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=rows,
-                                max_seqlen_k=rows, slot_mapping=positions % self.block_size,
-                                block_tables=block_tables))
-            try:
-                self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
-            finally:
-                reset_context()
+            self._warm_step(0, rows)
+        if self.backend.name == "triton":
+            for decode_rows in decode_batches(self.config.max_num_seqs - 1, self.num_kv_heads, self.device):
+                self._warm_step(decode_rows, 1)
         torch.cuda.synchronize(self.device)
+
+    def _warm_step(self, decode_rows: int, prompt_rows: int) -> None:
+        q_lens = [1] * decode_rows + [prompt_rows]
+        cu = torch.tensor(np.concatenate(([0], np.cumsum(q_lens))), dtype=torch.int32, device=self.device)
+        positions = torch.cat([torch.zeros(decode_rows, dtype=torch.int64), torch.arange(prompt_rows)]).to(self.device)
+        set_context(Context(
+            is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=prompt_rows, max_seqlen_k=prompt_rows,
+            slot_mapping=positions % self.block_size,
+            block_tables=torch.zeros(len(q_lens), self.decode_inputs.max_blocks_per_seq, dtype=torch.int32,
+                                     device=self.device),
+            context_lens=torch.ones(decode_rows, dtype=torch.int32, device=self.device) if decode_rows else None,
+            decode_seqs=decode_rows))
+        try:
+            self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
+        finally:
+            reset_context()
 
     def allocate_kv_cache(self) -> None:
         config = self.config
@@ -338,6 +350,8 @@ class ModelRunner:
 
         Per-token inputs are built with numpy, not per-token Python loops: a step has ~16k tokens, and
         prefill is bound by the host that prepares and launches it."""
+        # A mixed step's leading decode rows attend through the decode kernel (``Context.decode_seqs``).
+        decode_seqs = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
         starts = np.array([seq.num_cached_tokens if seq.is_prefill else seq.num_tokens - 1 for seq in seqs],
                           dtype=np.int64)
         q_lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
@@ -368,6 +382,8 @@ class ModelRunner:
             max_seqlen_k=int(ends.max()),
             slot_mapping=self._tensor(slot_mapping, np.int64),
             block_tables=self._tensor(block_tables, np.int32),
+            context_lens=self._tensor(ends[:decode_seqs], np.int32) if decode_seqs else None,
+            decode_seqs=decode_seqs,
         ))
         ids = self._tensor(input_ids, np.int64)
         if in_flight:
@@ -460,6 +476,11 @@ class ModelRunner:
         n = len(seqs)
         padded_batch_size = launch_order = None
         if phase != "decode":
+            if phase == "mixed":
+                # Decode rows first, so that attention can take them apart from the prompts' rows
+                # (sorted() is stable: every tensor-parallel rank computes the same order).
+                launch_order = sorted(range(n), key=lambda i: seqs[i].is_prefill)
+                seqs = [seqs[i] for i in launch_order]
             # Taken first: whatever happens below, the streamed loads' events are this step's.
             kv_ready = None if self.offload is None else self.offload.take_layer_waits()
             try:

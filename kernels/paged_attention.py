@@ -375,6 +375,24 @@ def decode_num_splits(
     return 1 << (splits - 1).bit_length()
 
 
+def _decode_tile(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> int:
+    """Keys per step of the decode kernel: the larger tile once there are programs enough."""
+    return 128 if batch * num_kv_heads * num_splits >= _LARGE_TILE_PROGRAMS_PER_SM * _sm_count(device) else 64
+
+
+def decode_batches(max_batch: int, num_kv_heads: int, device: torch.device) -> list[int]:
+    """The fewest rows of each kernel variant (split count and tile) that ``decode_attention`` runs,
+    without a length hint, for 1 to ``max_batch`` rows: a call at each compiles them all."""
+    batches, seen = [], set()
+    for batch in range(1, max_batch + 1):
+        splits = decode_num_splits(batch, num_kv_heads, device)
+        variant = (splits, _decode_tile(batch, num_kv_heads, splits, device))
+        if variant not in seen:
+            seen.add(variant)
+            batches.append(batch)
+    return batches
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     num_heads, head_dim = q.shape[-2:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -480,7 +498,7 @@ def _launch_decode(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, q.device, max_seqlen_k)
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0
-    tile = tile or (128 if batch * num_kv_heads * num_splits >= _LARGE_TILE_PROGRAMS_PER_SM * _sm_count(q.device) else 64)
+    tile = tile or _decode_tile(batch, num_kv_heads, num_splits, q.device)
     if num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -567,4 +585,4 @@ def prefill_attention(
     return out
 
 
-__all__ = ["decode_attention", "decode_attention_from_qkv", "decode_num_splits", "prefill_attention"]
+__all__ = ["decode_attention", "decode_attention_from_qkv", "decode_batches", "decode_num_splits", "prefill_attention"]

@@ -108,6 +108,17 @@ class Attention(nn.Module):
                                          k_cache, v_cache, slot_mapping)
         if not cached:
             out = _uncached_prefill(q, k_cache[:, 0], v_cache[:, 0], context.cu_seqlens_q, self.scale)
+        elif context.is_prefill and context.decode_seqs:
+            # A mixed step. Through the prefill kernel each decode row would take a whole tile of
+            # query rows and read its context once per query head; the decode kernel reads it once
+            # per KV head, split over the SMs. The prompts' rows keep their offsets into ``q``.
+            d = context.decode_seqs
+            out = self.backend.prefill(
+                q, self.k_cache, self.v_cache, context.cu_seqlens_q[d:], context.cu_seqlens_k[d:],
+                context.block_tables[d:], self.scale,
+            )
+            out[:d] = self.backend.decode(q[:d], self.k_cache, self.v_cache, context.context_lens,
+                                          context.block_tables[:d], self.scale)
         elif context.is_prefill:
             out = self.backend.prefill(
                 q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.cu_seqlens_k,

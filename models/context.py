@@ -31,6 +31,9 @@ class Context:
     slot_mapping: torch.Tensor | None = None
     # Decode: number of cached tokens per sequence, including the one being decoded.
     context_lens: torch.Tensor | None = None
+    # A mixed step: its first ``decode_seqs`` sequences decode one token each (``context_lens`` holds
+    # their lengths) and attend through the decode kernel, the rest through the prefill kernel.
+    decode_seqs: int = 0
     # [num_seqs, max_blocks_per_seq] physical block ids, padded with -1.
     block_tables: torch.Tensor | None = None
     # CPU-offload mode: the step's K/V streams through this ring, which runs each attention layer.

@@ -60,6 +60,18 @@ class PagedRunner:
     def prefill(self, chunks: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each sequence's chunk (continuing after what it already cached).
         Returns (logits of every new position ``[total, V]``, logits from ``compute_logits``)."""
+        return self._run(*self._prefill_inputs(chunks), every_position=True)
+
+    @torch.no_grad()
+    def mixed(self, tokens: dict[int, int], chunks: dict[int, list[int]]) -> torch.Tensor:
+        """A mixed step: each of ``tokens``' sequences decodes one token (attending through the decode
+        kernel), then each of ``chunks`` appends its chunk; ``compute_logits``' logits."""
+        context, ids, positions = self._prefill_inputs({seq: [token] for seq, token in tokens.items()} | chunks)
+        context.decode_seqs = len(tokens)
+        context.context_lens = torch.tensor([self.lengths[seq] for seq in tokens], dtype=torch.int32)
+        return self._run(context, ids, positions, every_position=False)[1]
+
+    def _prefill_inputs(self, chunks: dict[int, list[int]]) -> tuple[Context, list[int], list[int]]:
         ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for seq, tokens in chunks.items():
             start = self.lengths.get(seq, 0)
@@ -81,7 +93,7 @@ class PagedRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int32),
             block_tables=self._block_tables(list(chunks)).to(torch.int32),
         )
-        return self._run(context, ids, positions, every_position=True)
+        return context, ids, positions
 
     @torch.no_grad()
     def decode(self, tokens: dict[int, int]) -> torch.Tensor:
@@ -306,6 +318,36 @@ def test_triton_backend_matches_torch_backend(model: Qwen3ForCausalLM) -> None:
             set_attention_backend(model, TORCH_BACKEND)
     assert calls == ["decode_from_qkv"] * (3 * model.config.num_hidden_layers)
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=REL_TOL, atol=REL_TOL)
+
+
+def test_mixed_step_decode_rows_through_the_decode_kernel_match_transformers(
+    model: Qwen3ForCausalLM, hf_model: torch.nn.Module
+) -> None:
+    """A mixed step's leading decode rows attend through the backend's decode kernel, the prompt
+    behind them through the prefill kernel at its offsets into the step's rows: torch and Triton
+    (interpreted) backends, against transformers."""
+    from models.backends import triton_backend
+
+    first, second, prompt = random_prompts([13, 20, 9], seed=8)
+    for name, backend in (("torch", TORCH_BACKEND), ("triton", triton_backend())):
+        calls: list[int] = []
+
+        def decode(q: torch.Tensor, *args: object, backend: AttentionBackend = backend) -> torch.Tensor:
+            calls.append(q.shape[0])
+            return backend.decode(q, *args)  # type: ignore[arg-type]
+
+        set_attention_backend(model, AttentionBackend(name, backend.norm_rope_store, backend.prefill, decode,
+                                                      backend.partial, backend.merge))
+        try:
+            runner = PagedRunner(model)
+            runner.prefill({0: first, 1: second})
+            logits = runner.mixed({0: 5, 1: 6}, {2: prompt})
+        finally:
+            set_attention_backend(model, TORCH_BACKEND)
+        assert calls == [2] * model.config.num_hidden_layers, name
+        assert_close(logits[0], hf_logits(hf_model, first + [5])[-1], f"{name}: decode row 0")
+        assert_close(logits[1], hf_logits(hf_model, second + [6])[-1], f"{name}: decode row 1")
+        assert_close(logits[2], hf_logits(hf_model, prompt)[-1], f"{name}: the prompt")
 
 
 def test_rmsnorm_fused_residual_equals_separate_add() -> None:
