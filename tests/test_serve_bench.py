@@ -3,13 +3,23 @@ slowest first token into the time before the engine had the request, queued, and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
-from experiments.serve_bench import EngineView, PointView, RequestSpan, StepSpan, engine_side, p99
+from experiments.serve_bench import (
+    EngineView,
+    PointView,
+    RequestSpan,
+    StepSpan,
+    engine_side,
+    guidellm_point,
+    p99,
+)
+from tests.servers import threaded_server
 
 
 def test_p99_is_the_nearest_rank() -> None:
@@ -71,3 +81,26 @@ def test_the_view_follows_a_real_engine_point_by_point(tiny_checkpoint: Path) ->
         view.unsubscribe()
     finally:
         llm.close()
+
+
+def test_a_sweep_point_sends_poisson_arrivals_and_the_engine_names_each_request(tiny_checkpoint: Path,
+                                                                                  tmp_path: Path) -> None:
+    """guidellm 0.8.1 seeds every worker process's Poisson generator alike: with its default of ten
+    workers each inter-arrival gap comes ten times over (arrivals in clumps of ten). A sweep point
+    runs one worker, so no two gaps are equal; and the engine's events name every request guidellm
+    timed, by its response id."""
+    with threaded_server(tiny_checkpoint) as server:
+        view = EngineView(server.events)
+        point, ttfts = guidellm_point(server.url, "tiny", tiny_checkpoint, rate=20.0, requests=24, prompt_tokens=16,
+                                      output_tokens=4, out=tmp_path / "point.json", seed=1)
+        assert server.wait_idle()
+        seen = view.take()
+        view.unsubscribe()
+    done = json.loads((tmp_path / "point.json").read_text())["benchmarks"][0]["requests"]["successful"]
+    starts = sorted(r["info"]["timings"]["targeted_start"] for r in done)
+    gaps = [round(b - a, 9) for a, b in zip(starts, starts[1:])]
+    assert len(gaps) == 23 and len(set(gaps)) == len(gaps), gaps
+    assert point["completed"] == 24 and point["errored"] == 0 and point["dispatch_delay_max_s"] is not None
+    assert len(ttfts) == 24 and set(ttfts) <= set(seen.requests)
+    out = engine_side(seen, ttfts)
+    assert out["slowest"]["engine_ttft_s"] <= out["slowest"]["ttft_s"]  # the client's clock includes the hop
