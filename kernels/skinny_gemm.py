@@ -116,6 +116,9 @@ def choose_split_k_config(m: int, k: int) -> GemmConfig | None:
     return GemmConfig(min(64, max(16, triton.next_power_of_2(m))), 32, block_k, split_k=split_k)
 
 
+_ANY_K = 2**12  # a K every reduction step divides: the tiles then differ only where the rows pick
+
+
 def tile_rows(max_rows: int) -> list[int]:
     """The fewest rows of each tile that ``choose_config`` and ``choose_split_k_config`` pick for 1 to
     ``max_rows`` rows: a product of each of these many rows compiles every kernel that products of up
@@ -127,9 +130,6 @@ def tile_rows(max_rows: int) -> list[int]:
             seen.add(tiles)
             rows.append(m)
     return rows
-
-
-_ANY_K = 2**12  # a K every reduction step divides: the tiles then differ only where the rows pick
 
 
 def _tiled_for(x: torch.Tensor) -> bool:
