@@ -213,28 +213,35 @@ class ModelRunner:
     def compile_step_kernels(self) -> None:
         """Compile now every kernel variant a request's step can run (a compile stalls every request
         in its step, up to a second), beyond the decode graphs: prefills at the fewest rows of each
-        small-product tile (small prefill and mixed steps have row counts no graph has), and mixed
-        steps at the fewest decode rows of each decode-kernel variant. The K/V all go to block 0,
-        which holds nothing yet."""
-        max_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        for rows in tile_rows(max_len):
+        small-product tile (small prefill and mixed steps have row counts no graph has), mixed steps
+        at the fewest decode rows of each decode-kernel variant, and without graphs, decode steps at
+        the same. The K/V all go to block 0, which holds nothing yet (decode rows here are padding)."""
+        for rows in tile_rows(self.config.max_num_batched_tokens):
             self._warm_step(0, rows)
-        if self.backend.name == "triton":
+        if self.backend.mixed_decode:
             for decode_rows in decode_batches(self.config.max_num_seqs - 1, self.num_kv_heads, self.device):
                 self._warm_step(decode_rows, 1)
+        if self.config.enforce_eager:
+            self.decode_inputs.stage([], self.config.max_num_seqs, {}, self.block_size)
+            for rows in decode_batches(self.config.max_num_seqs, self.num_kv_heads, self.device):
+                self.decode_forward(rows)
         torch.cuda.synchronize(self.device)
 
     def _warm_step(self, decode_rows: int, prompt_rows: int) -> None:
-        q_lens = [1] * decode_rows + [prompt_rows]
+        # The prompt rows in sequences no longer than a request can be, so that block tables hold them.
+        longest = self.config.max_model_len
+        q_lens = [1] * decode_rows + [longest] * (prompt_rows // longest)
+        if prompt_rows % longest:
+            q_lens.append(prompt_rows % longest)
         cu = torch.tensor(np.concatenate(([0], np.cumsum(q_lens))), dtype=torch.int32, device=self.device)
-        positions = torch.cat([torch.zeros(decode_rows, dtype=torch.int64), torch.arange(prompt_rows)]).to(self.device)
+        positions = torch.cat([torch.arange(n) for n in q_lens]).to(self.device)
         set_context(Context(
-            is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=prompt_rows, max_seqlen_k=prompt_rows,
+            is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens),
             slot_mapping=positions % self.block_size,
             block_tables=torch.zeros(len(q_lens), self.decode_inputs.max_blocks_per_seq, dtype=torch.int32,
                                      device=self.device),
             context_lens=torch.ones(decode_rows, dtype=torch.int32, device=self.device) if decode_rows else None,
-            decode_seqs=decode_rows))
+            decode_seqs=decode_rows if self.backend.mixed_decode else 0))
         try:
             self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
         finally:
@@ -351,7 +358,8 @@ class ModelRunner:
         Per-token inputs are built with numpy, not per-token Python loops: a step has ~16k tokens, and
         prefill is bound by the host that prepares and launches it."""
         # A mixed step's leading decode rows attend through the decode kernel (``Context.decode_seqs``).
-        decode_seqs = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs))
+        decode_seqs = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs)) \
+            if self.backend.mixed_decode else 0
         starts = np.array([seq.num_cached_tokens if seq.is_prefill else seq.num_tokens - 1 for seq in seqs],
                           dtype=np.int64)
         q_lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
@@ -476,7 +484,7 @@ class ModelRunner:
         n = len(seqs)
         padded_batch_size = launch_order = None
         if phase != "decode":
-            if phase == "mixed":
+            if phase == "mixed" and self.backend.mixed_decode:
                 # Decode rows first, so that attention can take them apart from the prompts' rows
                 # (sorted() is stable: every tensor-parallel rank computes the same order).
                 launch_order = sorted(range(n), key=lambda i: seqs[i].is_prefill)

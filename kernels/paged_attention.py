@@ -297,7 +297,9 @@ def _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache
                          DOT_PRECISION)
 
 
-@triton.jit
+# A mixed step passes the prompts' lengths and block tables as views that start past its decode
+# rows: specialising their addresses' alignment would compile a variant for each offset class.
+@triton.jit(do_not_specialize=["cu_seqlens_q_ptr", "cu_seqlens_k_ptr", "block_tables_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -50,7 +50,9 @@ class AttentionBackend:
 
     ``decode_from_qkv``, when a backend has one, does a decode step's ``norm_rope_store`` and
     ``decode`` in one call (one kernel fewer per layer) and must give their results. ``partial`` and
-    ``merge`` are attention in parts, for CPU-offload mode's ring (``kernels.ring_attention``)."""
+    ``merge`` are attention in parts, for CPU-offload mode's ring (``kernels.ring_attention``).
+    ``mixed_decode``: a mixed step's decode rows go through ``decode``, and ``prefill`` takes the
+    prompts' ``cu_seqlens`` as offsets into the step's rows."""
 
     name: str
     norm_rope_store: NormRopeStoreFn
@@ -59,6 +61,7 @@ class AttentionBackend:
     partial: PartialFn
     merge: MergeFn
     decode_from_qkv: DecodeFromQkvFn | None = None
+    mixed_decode: bool = True
 
 
 TORCH_BACKEND = AttentionBackend(

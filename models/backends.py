@@ -49,8 +49,10 @@ def flash_attn_backend() -> AttentionBackend:
                                       block_table=block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
 
+    # Mixed steps stay one varlen call: its kernel takes one-token queries itself, and its GQA path
+    # for steps of one-token queries reshapes q by the batch, which prompts at offsets would break.
     return AttentionBackend(name="flash-attn", norm_rope_store=norm_rope_store, prefill=prefill, decode=decode,
-                            partial=partial_attention, merge=merge_attention_)
+                            partial=partial_attention, merge=merge_attention_, mixed_decode=False)
 
 
 def cuda_backend(block_size: int) -> AttentionBackend:

@@ -141,16 +141,19 @@ def test_mixed_batching_matches_transformers_through_prefill_and_decode_in_one_s
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
-def test_no_step_compiles_a_kernel_after_start_up():
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_step_compiles_a_kernel_after_start_up(enforce_eager):
     """A Triton compile inside a step stalls every request in it (about a second on the 4B, seen as
     single slow first tokens in serving sweeps). Start-up compiles what any step runs: the decode
-    graphs, and the prefill path at each small-product tile, which covers the row count of every
-    small prefill and mixed step."""
+    graphs (or, eager, decode steps at each decode-kernel variant), the prefill path at each
+    small-product tile, and mixed steps at each decode-kernel variant. 1,056 tokens a sequence is 66
+    blocks, so a mixed step's views of the block tables start at every alignment."""
     import triton
 
     model_dir = ensure_checkpoint("tiny")
-    llm = LLM(str(model_dir), kvcache_block_size=16, max_model_len=1024, gpu_memory_utilization=0.3,
-              batching="mixed", max_num_batched_tokens=256, max_num_seqs=8)  # graphs of 1 to 8 rows only
+    llm = LLM(str(model_dir), kvcache_block_size=16, max_model_len=1056, gpu_memory_utilization=0.3,
+              batching="mixed", max_num_batched_tokens=256, max_num_seqs=8,  # graphs of 1 to 8 rows only
+              enforce_eager=enforce_eager)
     rows: set[int] = set()
     llm.events.subscribe(lambda e: rows.add(e.num_prefill_tokens + e.num_decode_tokens)
                          if e.kind == "step" and e.phase != "decode" else None)
