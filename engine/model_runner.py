@@ -241,7 +241,7 @@ class ModelRunner:
             block_tables=torch.zeros(len(q_lens), self.decode_inputs.max_blocks_per_seq, dtype=torch.int32,
                                      device=self.device),
             context_lens=torch.ones(decode_rows, dtype=torch.int32, device=self.device) if decode_rows else None,
-            decode_seqs=decode_rows if self.backend.mixed_decode else 0))
+            decode_seqs=decode_rows))
         try:
             self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
         finally:
