@@ -205,8 +205,15 @@ class ModelRunner:
         reset_context()
         if self.rank == 0:
             # Compile the sampler's kernels now rather than stall the first request (the batch size
-            # is only their grid, so one call covers every size).
-            self.sampler(logits[:1].contiguous(), torch.ones(1, device=self.device))
+            # is only their grid, so one call per variant covers every size): temperature alone,
+            # top-k/top-p, per-request seeds, and both.
+            one = torch.ones(1, device=self.device)
+            row = self._tensor([0], np.int64)
+            filters = dict(filter_rows=row, top_k=self._tensor([2], np.int64), top_p=self._tensor([0.5], np.float32))
+            seeds = dict(row_seeds=row, positions=row)
+            for meta in (None, SamplingMetadata(**filters), SamplingMetadata(**seeds),
+                         SamplingMetadata(**filters, **seeds)):
+                self.sampler(logits[:1].contiguous(), one, meta=meta)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

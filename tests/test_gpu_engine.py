@@ -146,7 +146,7 @@ def test_no_step_compiles_a_kernel_after_start_up(enforce_eager):
     """A Triton compile inside a step stalls every request in it (about a second on the 4B, seen as
     single slow first tokens in serving sweeps). Start-up compiles what any step runs: the decode
     graphs (or, eager, decode steps at each decode-kernel variant), the prefill path at each
-    small-product tile, and mixed steps at each decode-kernel variant. 1,056 tokens a sequence is 66
+    small-product tile, mixed steps at each decode-kernel variant and the sampler's variants. 1,056 tokens a sequence is 66
     blocks, so a mixed step's views of the block tables start at every alignment."""
     import triton
 
@@ -167,8 +167,12 @@ def test_no_step_compiles_a_kernel_after_start_up(enforce_eager):
     try:
         rng = random.Random(3)
         vocab = llm.model_config.vocab_size
+        # Each sampler variant too: greedy, temperature alone, top-k/top-p, seeded, both, min_tokens.
+        variants = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=20, top_p=0.9),
+                    dict(temperature=0.8, seed=7), dict(temperature=0.8, top_p=0.5, seed=9),
+                    dict(temperature=0.0, min_tokens=2)]
         for i, n in enumerate(list(range(1, 40)) + [rng.randrange(40, 700) for _ in range(20)]):
-            params = SamplingParams(temperature=0.0 if i % 3 else 0.8, max_tokens=rng.randrange(2, 20), ignore_eos=True)
+            params = SamplingParams(**variants[i % len(variants)], max_tokens=rng.randrange(2, 20), ignore_eos=True)
             llm.add_request([rng.randrange(vocab) for _ in range(n)], params)
             for _ in range(2):
                 if not llm.is_finished():
