@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.norm_rope_store import check_qkv, norm_rope_heads
+from kernels.pdl import launch_pdl
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -110,11 +111,15 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FROM_QKV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
+    if PDL:  # everything below reads or writes what other kernels do (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     ctx = tl.load(context_lens_ptr + seq)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -213,9 +218,13 @@ def _decode_reduce_kernel(
     o_stride_head,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
@@ -501,6 +510,7 @@ def _launch_decode(
         num_splits = decode_num_splits(batch, num_kv_heads, q.device, max_seqlen_k)
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0
     tile = tile or _decode_tile(batch, num_kv_heads, num_splits, q.device)
+    pdl = launch_pdl(q.device)
     if num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -526,13 +536,15 @@ def _launch_decode(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype),
         FROM_QKV=rope is not None,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1 if head_dim <= 64 else 2,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
         )
     return out
 

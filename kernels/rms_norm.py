@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -34,11 +36,16 @@ def _rms_norm_kernel(
     RANKS: tl.constexpr,  # ... on each of RANKS ranks, at the addresses ranks_ptr lists
     ADD_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n
     out_ty = y_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:  # the weight is the only input no earlier kernel writes (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLITS == 1 and RANKS == 1:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     else:
@@ -59,7 +66,6 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * n + cols, x, mask=mask)
     x_f32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x_f32 * x_f32, axis=0) / n + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (x_f32 * inv_rms).to(out_ty).to(tl.float32) * weight
     tl.store(y_ptr + row * stride_y + cols, y.to(out_ty), mask=mask)
 
@@ -95,10 +101,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if num_rows == 0:
         return y, new_residual
     block_n = triton.next_power_of_2(n)
+    pdl = launch_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         x, x if ranks is None else ranks, x if residual is None else residual, new_residual, weight, y,
         n, x.stride(0) if partials else 0, x.stride(-2), 0 if residual is None else residual.stride(0), y.stride(0),
         eps, SPLITS=x.shape[0] if partials else 1, RANKS=1 if ranks is None else ranks.numel(),
-        ADD_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=4 if block_n <= 2048 else 8,
+        ADD_RESIDUAL=residual is not None, BLOCK_N=block_n, PDL=pdl, num_warps=4 if block_n <= 2048 else 8,
+        launch_pdl=pdl,
     )
     return y, new_residual

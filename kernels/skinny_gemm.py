@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_pdl, prefetch_weights
+
 # Larger products (rows x weight elements) go to cuBLAS and the activation kernel: every
 # prefill, and decode batches of models where the product is no longer bandwidth-bound (Qwen3-0.6B
 # stays below this up to 341 rows, Qwen3-4B up to 43).
@@ -48,6 +50,26 @@ class GemmConfig:
     split_k: int = 1  # programs per output tile, each reducing its own 1/split_k of K
 
 
+# Weights are 16-bit here (_tiled_for): 64 elements fill a 128-byte cache line. A program asks
+# ahead for the first 8 lines (1 KiB) of each of its weight rows: enough to cover a kernel
+# boundary (~2 us of the copy bandwidth is 6 MB, 8 lines of every row of a 0.6B layer's largest
+# weight are 6 MB), not so much that a 4B's 100 MB gate/up weight would go through L2 twice.
+_LINE_ELEMENTS = tl.constexpr(64)
+_PREFETCH_LINES = tl.constexpr(8)
+
+
+@triton.jit
+def _prefetch_l2(base, cols, n_mask, K_PER_SPLIT):
+    """Ask L2 for the first ``_PREFETCH_LINES`` 128-byte lines of each weight row ``cols`` ([1,
+    BLOCK_N] pointers) within this split; a prefetch does not wait for its line."""
+    k = tl.arange(0, _PREFETCH_LINES) * _LINE_ELEMENTS
+    mask = n_mask[:, None] & (k < K_PER_SPLIT)[None, :]
+    # Lanes past the weight's rows or the split's end ask for the weight's first line again.
+    ptrs = tl.where(mask, tl.trans(cols) + k[None, :], base)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 # M (the rows) changes with every small prefill or mixed step: specialising it (== 1, divisible by
 # 16) compiled a new kernel mid-run, a step stalled up to a second, whenever a step's row count fell
 # into a class no earlier product of that tile had (the rows are masked, so nothing is lost).
@@ -60,6 +82,8 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # N counts output columns: with SILU_MUL the weight has 2N rows, gate rows first. Split s
     # reduces K from s * K_PER_SPLIT on and writes rows s * M ... of y (its own partial product).
@@ -75,6 +99,15 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k_start
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start
     up_cols = w_cols + N.to(tl.int64) * stride_wn
+    if PREFETCH:
+        # The weights depend on no earlier kernel: start this program's slice on its way to L2
+        # while the kernel before it drains (kernels.pdl).
+        _prefetch_l2(w_ptr, w_cols, n_mask, K_PER_SPLIT)
+        if SILU_MUL:
+            _prefetch_l2(w_ptr, up_cols, n_mask, K_PER_SPLIT)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):  # the host checks that BLOCK_K divides K_PER_SPLIT
@@ -165,10 +198,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n: int, conf
         raise ValueError(f"K={k} does not split into {config.split_k} slice(s) of whole {config.block_k}-wide"
                          " reduction steps")
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
+    pdl = launch_pdl(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, y, m, n, k // config.split_k, x.stride(0), weight.stride(0), y.stride(-2),
         SILU_MUL=silu_mul, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl, PREFETCH=prefetch_weights(x.device), num_warps=config.num_warps, num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
 
 

@@ -53,7 +53,13 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        weight = self.qkv_proj.weight
+        if self.qkv_proj.bias is None and skinny_gemm_fits(hidden_states, weight):
+            # A decode-sized batch: the Triton product, which launches with PDL where cuBLAS would
+            # break the layer's chain of overlapping kernels (kernels.pdl).
+            qkv = skinny_gemm(hidden_states, weight)
+        else:
+            qkv = self.qkv_proj(hidden_states)
         attn_out = self.attn(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb.cos_sin_cache)
         return residual_branch_output(self.o_proj, attn_out)
 

@@ -1,0 +1,42 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+
+A decode layer is a chain of small kernels, each waiting for the one before it: in a CUDA graph
+every boundary still costs the next kernel's launch, its programs' start-up and the previous
+kernel's drain, a few microseconds against a 0.6B layer's ~10 us of weight reads (docs/performance.md,
+#29). Launched with PDL, a kernel's programs start while the previous kernel is still running. Each
+kernel here does only work that reads no earlier kernel's output before ``gdc_wait`` (which returns
+once the previous grid has finished and its writes are visible), then lets the next kernel launch
+(``gdc_launch_dependents``). The skinny GEMM uses that window to start its weights on their way to
+L2 (``PREFETCH_WEIGHTS``), so a layer's weight stream need not stop at each boundary.
+
+Every kernel launched with PDL waits before it touches memory another kernel writes, so a
+kernel's completion implies its predecessors': ordering stays transitive along the chain. Kernels
+launched without PDL (cuBLAS, torch's own) keep the ordinary full dependency.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Experiments switch these off to time the path without them (experiments/pdl_bench.py); kernels
+# read them when launched, so a CUDA graph keeps what was set when it was captured.
+ENABLED = True
+PREFETCH_WEIGHTS = True
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_pdl(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` now use PDL (CUDA, compute capability 9.0 or later)."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    return _supported(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def prefetch_weights(device: torch.device) -> bool:
+    return PREFETCH_WEIGHTS and launch_pdl(device)
