@@ -208,12 +208,13 @@ class ModelRunner:
             # is only their grid, so one call per variant covers every size): temperature alone,
             # top-k/top-p, per-request seeds, and both.
             one = torch.ones(1, device=self.device)
+            out = torch.empty(1, dtype=torch.int32, device=self.device)  # as the engine's sample buffer
             row = self._tensor([0], np.int64)
             filters = dict(filter_rows=row, top_k=self._tensor([2], np.int64), top_p=self._tensor([0.5], np.float32))
             seeds = dict(row_seeds=row, positions=row)
             for meta in (None, SamplingMetadata(**filters), SamplingMetadata(**seeds),
                          SamplingMetadata(**filters, **seeds)):
-                self.sampler(logits[:1].contiguous(), one, meta=meta)
+                self.sampler(logits[:1].contiguous(), one, out=out, meta=meta)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
