@@ -22,6 +22,7 @@ from kernels.all_reduce import _barrier_kernel, symmetric_barrier
 from kernels.reference import add_rms_norm_ref
 from kernels.rms_norm import _rms_norm_kernel, rms_norm
 
+from tests.hopper import hopper_ptx, run_compiled
 from tests.servers import REPO, python_with_repo
 
 
@@ -163,18 +164,6 @@ def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
     assert result.returncode == 0 and "barrier ok" in result.stdout, result.stderr[-3000:]
 
 
-def hopper_ptx(kernel, signature: dict[str, str], constexprs: dict[str, object], aligned: tuple[int, ...],
-               num_warps: int) -> str:
-    """``kernel`` compiled for an H100 (sm_90) on this machine, no GPU needed: its PTX. (Run in a
-    process without the interpreter, which patches ``triton.language`` once it has run a kernel.)"""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-                       constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
-
 def global_loads(ptx: str) -> dict[str, int]:
     return dict(collections.Counter(re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()[0]
                                     for line in ptx.splitlines() if "ld.global" in line))
@@ -188,19 +177,15 @@ def compile_both_for_hopper() -> None:
         "x_ptr": "*bf16", "ranks_ptr": "*i64", "residual_ptr": "*bf16", "residual_out_ptr": "*bf16",
         "weight_ptr": "*bf16", "y_ptr": "*bf16", "n": "i32", "stride_split": "i32", "stride_x": "i32",
         "stride_r": "i32", "stride_y": "i32", "eps": "fp32"},
-        {"SPLITS": 1, "RANKS": 2, "ADD_RESIDUAL": True, "BLOCK_N": 4096}, aligned=(0, 1, 2, 3, 4, 5, 6, 8, 9, 10),
+        {"SPLITS": 1, "RANKS": 2, "ADD_RESIDUAL": True, "BLOCK_N": 4096, "PDL": True}, aligned=(0, 1, 2, 3, 4, 5, 6, 8, 9, 10),
         num_warps=8)
     print(json.dumps({"release": "atom.global.sys.release.add" in barrier,
                       "acquire": "ld.global.sys.acquire" in barrier, "norm_loads": global_loads(norm)}))
 
 
 def test_the_kernels_compile_for_hopper_with_system_scope_atomics_and_vector_loads() -> None:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    code = "from tests.test_all_reduce import compile_both_for_hopper; compile_both_for_hopper()"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env=python_with_repo(env))
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.splitlines()[-1])
+    stdout = run_compiled("from tests.test_all_reduce import compile_both_for_hopper; compile_both_for_hopper()")
+    found = json.loads(stdout.splitlines()[-1])
     # Arrivals are released into the peer, and waited for with acquire, at system scope (across GPUs):
     # the wait's atomic add of zero becomes an acquire load.
     assert found["release"] and found["acquire"]

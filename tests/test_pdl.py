@@ -1,0 +1,125 @@
+"""Programmatic dependent launch (``kernels.pdl``): a kernel launched with it starts before the one
+it follows has finished, so it must not touch that kernel's memory before ``griddepcontrol.wait``.
+
+On the CPU: each PDL kernel compiled for an H100 issues no global load, store or atomic before its
+wait (the skinny GEMM's weight prefetches excepted), and without PDL it has no grid-dependency
+control at all. On the GPU: a CUDA graph of PDL launches equals serial launches bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels import pdl
+from kernels.rms_norm import rms_norm
+from kernels.skinny_gemm import skinny_gemm, skinny_gemm_partials
+from tests.hopper import run_compiled
+
+_MEMORY = ("ld.global", "st.global", "atom.global", "red.global")
+
+
+def compile_pdl_kernels() -> None:
+    """Prints, for each PDL kernel compiled for an H100 with and without PDL: what global memory
+    instructions come before the first wait, and whether the grid-dependency instructions are there."""
+    from kernels.paged_attention import _decode_kernel, _decode_reduce_kernel
+    from kernels.rms_norm import _rms_norm_kernel
+    from kernels.skinny_gemm import _skinny_gemm_kernel
+    from tests.hopper import hopper_ptx
+
+    i32, f32 = "i32", "fp32"
+    kernels = {
+        "skinny_gemm": (_skinny_gemm_kernel, dict(
+            x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", M=i32, N=i32, K_PER_SPLIT=i32, stride_xm=i32,
+            stride_wn=i32, stride_ym=i32), dict(SILU_MUL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
+        "rms_norm": (_rms_norm_kernel, dict(
+            x_ptr="*fp32", ranks_ptr="*i64", residual_ptr="*bf16", residual_out_ptr="*bf16", weight_ptr="*bf16",
+            y_ptr="*bf16", n=i32, stride_split=i32, stride_x=i32, stride_r=i32, stride_y=i32, eps=f32),
+            dict(SPLITS=4, RANKS=1, ADD_RESIDUAL=True, BLOCK_N=1024)),
+        "decode": (_decode_kernel, dict(
+            q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", part_acc_ptr="*fp32",
+            part_max_ptr="*fp32", part_sum_ptr="*fp32", context_lens_ptr="*i32", block_tables_ptr="*i32",
+            scale_log2=f32, q_stride_seq=i32, q_stride_head=i32, o_stride_seq=i32, o_stride_head=i32,
+            kc_stride_block=i32, kc_stride_slot=i32, kc_stride_head=i32, vc_stride_block=i32, vc_stride_slot=i32,
+            vc_stride_head=i32, bt_stride=i32, positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
+            k_norm_ptr="*bf16", cos_sin_ptr="*fp32", eps=f32, cos_sin_stride=i32),
+            dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=4,
+                 DOT_PRECISION="ieee", FROM_QKV=True)),
+        "decode_reduce": (_decode_reduce_kernel, dict(
+            out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", o_stride_seq=i32,
+            o_stride_head=i32), dict(HEAD_DIM=128, NUM_SPLITS=4)),
+    }
+    found = {}
+    for name, (kernel, signature, constexprs) in kernels.items():
+        extra = {"PREFETCH": True} if name == "skinny_gemm" else {}
+        on = hopper_ptx(kernel, signature, {**constexprs, **extra, "PDL": True}, launch_pdl=True).splitlines()
+        off = hopper_ptx(kernel, signature, {**constexprs, **{k: False for k in extra}, "PDL": False})
+        wait = next(i for i, line in enumerate(on) if "griddepcontrol.wait" in line)
+        before = [line.split()[0] for line in on[:wait] if any(op in line for op in _MEMORY + ("prefetch",))]
+        found[name] = {"before_wait": sorted(set(before)), "prefetches": sum("prefetch.global.L2" in line for line in on[:wait]),
+                       "launches_dependents": any("griddepcontrol.launch_dependents" in line for line in on[wait:]),
+                       "without_pdl": "griddepcontrol" in off}
+    print(json.dumps(found))
+
+
+def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
+    found = json.loads(run_compiled("from tests.test_pdl import compile_pdl_kernels; compile_pdl_kernels()")
+                       .splitlines()[-1])
+    assert set(found) == {"skinny_gemm", "rms_norm", "decode", "decode_reduce"}
+    for name, kernel in found.items():
+        allowed = ["prefetch.global.L2"] if name == "skinny_gemm" else []
+        assert kernel["before_wait"] == allowed, name
+        assert kernel["launches_dependents"] and not kernel["without_pdl"], name
+    # 32 gate and 32 up rows, 8 lines each, over 128 threads: 4 prefetches a thread.
+    assert found["skinny_gemm"]["prefetches"] == 4
+
+
+def test_pdl_is_off_off_the_gpu() -> None:
+    assert not pdl.launch_pdl(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("m", (1, 16, 100))
+def test_pdl_chain_matches_serial_launches_gpu(m: int, monkeypatch) -> None:
+    """Kernels launched with PDL start before the one they follow has finished; each must wait before
+    it reads that kernel's output or overwrites what it reads. A CUDA graph of eight decode-like layers
+    (norm of split-K partials + residual, gate/up + SiLU, down_proj's partials, attention-sized
+    products between) replayed with PDL gives bit for bit what serial launches give, on new inputs
+    every replay: any read before the wait would see the previous replay's values."""
+    assert pdl.launch_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    hidden, inter, layers = 1024, 3072, 8
+    weights = [((torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16(),
+                torch.randn(4096, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
+                torch.randn(hidden, 2048, device="cuda", generator=gen).bfloat16() * 0.03,
+                torch.randn(2 * inter, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
+                torch.randn(hidden, inter, device="cuda", generator=gen).bfloat16() * 0.03) for _ in range(layers)]
+    x = torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
+
+    def forward() -> torch.Tensor:
+        residual, partials = x, None
+        for norm_w, qkv_w, o_w, gate_up_w, down_w in weights:
+            if partials is None:
+                h = rms_norm(residual, norm_w, 1e-6)[0]
+            else:
+                h, residual = rms_norm(partials, norm_w, 1e-6, residual)
+            qkv = skinny_gemm(h, qkv_w)
+            h, residual = rms_norm(skinny_gemm_partials(qkv[:, :2048].contiguous(), o_w), norm_w, 1e-6, residual)
+            partials = skinny_gemm_partials(skinny_gemm(h, gate_up_w, True), down_w)
+        return rms_norm(partials, weights[0][0], 1e-6, residual)[0]
+
+    out = torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
+    out.copy_(forward())  # compiles every variant before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(forward())
+    for _ in range(4):
+        x.copy_(torch.randn(m, hidden, device="cuda", generator=gen))
+        graph.replay()
+        with monkeypatch.context() as serial:
+            serial.setattr(pdl, "ENABLED", False)
+            expected = forward()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
