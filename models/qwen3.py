@@ -21,6 +21,11 @@ from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPara
 from models.rotary import RotaryEmbedding
 
 
+# Above this many rows the qkv product stays on cuBLAS, whose tiles fill the GPU there: through the
+# skinny GEMM, Qwen3-4B's yardstick steps at batch 65-128 took 2.8% longer (H100, docs/performance.md).
+QKV_SKINNY_MAX_ROWS = 64
+
+
 def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor | RankSum:
     """The output of o_proj or down_proj, which always goes on into the next RMSNorm's residual add.
 
@@ -54,9 +59,10 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.qkv_proj.weight
-        if self.qkv_proj.bias is None and skinny_gemm_fits(hidden_states, weight):
-            # A decode-sized batch: the Triton product, which launches with PDL where cuBLAS would
-            # break the layer's chain of overlapping kernels (kernels.pdl).
+        if (hidden_states.shape[0] <= QKV_SKINNY_MAX_ROWS and self.qkv_proj.bias is None
+                and skinny_gemm_fits(hidden_states, weight)):
+            # A small batch: the Triton product, which launches with PDL where cuBLAS would break
+            # the layer's chain of overlapping kernels (kernels.pdl).
             qkv = skinny_gemm(hidden_states, weight)
         else:
             qkv = self.qkv_proj(hidden_states)
