@@ -21,9 +21,11 @@ from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPara
 from models.rotary import RotaryEmbedding
 
 
-# Above this many rows the qkv product stays on cuBLAS, whose tiles fill the GPU there: through the
-# skinny GEMM, Qwen3-4B's yardstick steps at batch 65-128 took 2.8% longer (H100, docs/performance.md).
-QKV_SKINNY_MAX_ROWS = 64
+# Above this many multiply-adds (rows x weight elements) the qkv product stays on cuBLAS, whose tiles
+# fill the GPU there: through the skinny GEMM, Qwen3-4B's yardstick steps took 2.8% longer at batch
+# 65-128 and 1-3% at 33-64 (H100, docs/performance.md). This keeps Qwen3-0.6B's qkv on the skinny
+# GEMM up to 128 rows and the 4B's up to 34.
+QKV_SKINNY_MAX_MACS = 2**29
 
 
 def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor | RankSum:
@@ -59,7 +61,7 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.qkv_proj.weight
-        if (hidden_states.shape[0] <= QKV_SKINNY_MAX_ROWS and self.qkv_proj.bias is None
+        if (hidden_states.shape[0] * weight.numel() <= QKV_SKINNY_MAX_MACS and self.qkv_proj.bias is None
                 and skinny_gemm_fits(hidden_states, weight)):
             # A small batch: the Triton product, which launches with PDL where cuBLAS would break
             # the layer's chain of overlapping kernels (kernels.pdl).
