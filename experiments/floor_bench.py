@@ -1,7 +1,7 @@
 """Decode at small batches and prefill of long prompts, each against its own floor measured in the same run.
 
     python experiments/floor_bench.py --preset qwen3-0.6b [--batches 1,4,16] [--output-tokens 1024]
-        [--prefill-prompts 96] [--prefill-tokens 3000] [--no-profile] [--json FILE]
+        [--prefill-prompts 96] [--prefill-tokens 3000] [--no-profile] [--pdl on|no-prefetch|off] [--json FILE]
 
 Decode: ``batch`` requests of 32 random prompt tokens decode ``--output-tokens`` tokens each together
 (greedy, ignore_eos). Every decode step reads every weight and the K/V of each running request, so
@@ -14,6 +14,10 @@ reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding 
 2 x layers x heads x head_dim x sum(s^2)`` (projections, then causal attention's two products), and
 its rate is set against a bf16 8192^3 matrix product timed here; then the same prefill under
 torch.profiler gives the GPU time per step by kernel.
+
+``--pdl`` times the decode chain without programmatic dependent launch (``off``) or without its
+weight prefetch (``no-prefetch``), against the default (``kernels.pdl``). With PDL the kernels of a
+step overlap, so the per-kernel GPU times add up to more than the step.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch  # noqa: E402
 from engine.events import Step  # noqa: E402
 from engine.options import OptionError, add_engine_args, build_llm, parse_checked, reported_errors  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels import pdl  # noqa: E402
 from experiments.bench import device_copy_bandwidth, weight_bytes_per_step  # noqa: E402
 from models.config import Qwen3Config  # noqa: E402
 
@@ -162,9 +167,11 @@ def run(args: argparse.Namespace) -> dict:
     rate = matmul_rate()
     progress(f"loading {args.model or args.preset}")
     args.max_num_seqs = max(args.max_num_seqs, max(args.batches))
+    # Kernels read the switches as they launch, so the graphs captured at start-up keep them.
+    pdl.ENABLED, pdl.PREFETCH_WEIGHTS = args.pdl != "off", args.pdl == "on"
     llm = build_llm(args)
     llm.generate([[1] * 8], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # first-use costs
-    results = {"device": torch.cuda.get_device_name(), "model": Path(llm.config.model).name,
+    results = {"device": torch.cuda.get_device_name(), "model": Path(llm.config.model).name, "pdl": args.pdl,
                "copy_TBps": copy / 1e12, "matmul_TFLOPs": rate / 1e12, "decode": [], "prefill": None}
     for batch in args.batches:
         progress(f"decode: batch {batch}, {args.output_tokens} tokens each")
@@ -182,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def report(r: dict) -> None:
     print(f"{r['device']}, {r['model']}: copy {r['copy_TBps']:.2f} TB/s, bf16 8192^3 product "
-          f"{r['matmul_TFLOPs']:.0f} TFLOP/s")
+          f"{r['matmul_TFLOPs']:.0f} TFLOP/s, PDL {r['pdl']}")
     print("decode   batch  tok/s      step ms (median)  floor ms  share   host launch ms")
     for d in r["decode"]:
         print(f"         {d['batch']:>5}  {d['tok_per_s']:>9,.0f}  {d['step_ms']:6.3f} ({d['step_ms_median']:.3f})"
@@ -215,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-prompts", type=int, default=96, help="0: no prefill run (default: %(default)s)")
     parser.add_argument("--prefill-tokens", type=int, default=3000)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
+    parser.add_argument("--pdl", choices=("on", "no-prefetch", "off"), default="on",
+                        help="programmatic dependent launch for the decode chain (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     with reported_errors(args):

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-# Experiments switch these off to time the path without them (experiments/pdl_bench.py); kernels
+# ``experiments/floor_bench.py --pdl`` switches these off to time the path without them; kernels
 # read them when launched, so a CUDA graph keeps what was set when it was captured.
 ENABLED = True
 PREFETCH_WEIGHTS = True
