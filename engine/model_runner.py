@@ -153,6 +153,8 @@ class ModelRunner:
         self.graph_logits: torch.Tensor | None = None  # rank 0's; other ranks' graphs end in the gather
         if self.device.type == "cuda" and self.ring is None:
             self.compile_step_kernels()
+        if self.device.type == "cuda" and self.rank == 0:
+            self.compile_sampler()
 
     @property
     def uses_cudagraphs(self) -> bool:
@@ -201,20 +203,25 @@ class ModelRunner:
                             max_seqlen_k=max_len))
         input_ids = torch.zeros(num_seqs * max_len, dtype=torch.int64, device=self.device)
         positions = torch.arange(max_len, device=self.device).repeat(num_seqs)
-        logits = self.model.compute_logits(self.model(input_ids, positions))
+        self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
-        if self.rank == 0:
-            # Compile the sampler's kernels now rather than stall the first request (the batch size
-            # is only their grid, so one call per variant covers every size): temperature alone,
-            # top-k/top-p, per-request seeds, and both.
-            one = torch.ones(1, device=self.device)
-            out = torch.empty(1, dtype=torch.int32, device=self.device)  # as the engine's sample buffer
-            row = self._tensor([0], np.int64)
-            filters = dict(filter_rows=row, top_k=self._tensor([2], np.int64), top_p=self._tensor([0.5], np.float32))
-            seeds = dict(row_seeds=row, positions=row)
-            for meta in (None, SamplingMetadata(**filters), SamplingMetadata(**seeds),
-                         SamplingMetadata(**filters, **seeds)):
-                self.sampler(logits[:1].contiguous(), one, out=out, meta=meta)
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def compile_sampler(self) -> None:
+        """Compile the sampler's kernels now rather than stall the first request of each kind: one
+        call per variant (temperature alone, top-k/top-p, per-request seeds, both) into the engine's
+        sample buffer covers every batch size, which is only their grid. The engine's stream of draws
+        is left where it was."""
+        logits = torch.zeros(1, self.model_config.vocab_size, dtype=self.dtype, device=self.device)
+        one = torch.ones(1, device=self.device)
+        row = self._tensor([0], np.int64)
+        filters = dict(filter_rows=row, top_k=self._tensor([2], np.int64), top_p=self._tensor([0.5], np.float32))
+        seeds = dict(row_seeds=row, positions=row)
+        calls = self.sampler.calls
+        for meta in (None, SamplingMetadata(**filters), SamplingMetadata(**seeds), SamplingMetadata(**filters, **seeds)):
+            self.sampler(logits, one, out=self.sampled[:1], meta=meta)
+        self.sampler.calls = calls
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

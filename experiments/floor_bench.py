@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     with reported_errors(args):
         if not torch.cuda.is_available():
             raise OptionError("floor_bench measures against the GPU's own floors: it needs CUDA")
+        if args.pdl != "on" and args.tensor_parallel_size > 1:  # the switches live in this process only
+            raise OptionError("--pdl off|no-prefetch times one GPU: leave --tensor-parallel-size at 1")
         if min(args.batches) < 1 or args.output_tokens < 2:
             raise OptionError("--batches must be positive and --output-tokens at least 2")
         if args.dtype == "float32":  # the floors count 2-byte weights and K/V, the rate a bf16 product

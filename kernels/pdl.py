@@ -9,9 +9,12 @@ once the previous grid has finished and its writes are visible), then lets the n
 (``gdc_launch_dependents``). The skinny GEMM uses that window to start its weights on their way to
 L2 (``PREFETCH_WEIGHTS``), so a layer's weight stream need not stop at each boundary.
 
-Every kernel launched with PDL waits before it touches memory another kernel writes, so a
-kernel's completion implies its predecessors': ordering stays transitive along the chain. Kernels
-launched without PDL (cuBLAS, torch's own) keep the ordinary full dependency.
+Every program of a kernel launched with PDL reaches the wait (none returns early) before it touches
+memory another kernel writes, so a kernel's completion implies its predecessors': ordering stays
+transitive along the chain. Kernels launched without PDL (cuBLAS, torch's own, the all-reduce's
+barrier) keep the ordinary full dependency. The kernels launch this way wherever they run (prefill
+and mixed steps too), but only decode-sized steps are chains of such short kernels.
+`tests/test_pdl.py` checks the compiled PTX for memory accesses before the wait.
 """
 
 from __future__ import annotations

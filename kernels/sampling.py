@@ -40,7 +40,8 @@ def _load_logits(logits_ptr, thresholds_ptr, row, cols, logits_stride_row, VOCAB
     return x
 
 
-@triton.jit(do_not_specialize=["thresholds_ptr"])
+# The temperatures may be a view at any offset (the decode inputs): see _pick_kernel.
+@triton.jit(do_not_specialize=["temperatures_ptr", "thresholds_ptr"])
 def _chunk_stats_kernel(
     logits_ptr,
     temperatures_ptr,

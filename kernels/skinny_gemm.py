@@ -171,10 +171,10 @@ def _tiled_for(x: torch.Tensor) -> bool:
     return x.is_cuda and x.element_size() == 2
 
 
-def skinny_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_gemm`` takes this product: 16-bit operands on CUDA, at most ``MAX_MACS``
+def skinny_gemm_fits(x: torch.Tensor, weight: torch.Tensor, max_macs: int = MAX_MACS) -> bool:
+    """Whether ``skinny_gemm`` takes this product: 16-bit operands on CUDA, at most ``max_macs``
     multiply-adds, K a multiple of 16."""
-    return _tiled_for(x) and x.shape[0] * weight.numel() <= MAX_MACS and weight.shape[1] % 16 == 0
+    return _tiled_for(x) and x.shape[0] * weight.numel() <= max_macs and weight.shape[1] % 16 == 0
 
 
 def split_k_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -61,8 +61,7 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.qkv_proj.weight
-        if (hidden_states.shape[0] * weight.numel() <= QKV_SKINNY_MAX_MACS and self.qkv_proj.bias is None
-                and skinny_gemm_fits(hidden_states, weight)):
+        if self.qkv_proj.bias is None and skinny_gemm_fits(hidden_states, weight, QKV_SKINNY_MAX_MACS):
             # A small batch: the Triton product, which launches with PDL where cuBLAS would break
             # the layer's chain of overlapping kernels (kernels.pdl).
             qkv = skinny_gemm(hidden_states, weight)

@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-import triton
 
 from kernels.all_reduce import _barrier_kernel, symmetric_barrier
 from kernels.reference import add_rms_norm_ref

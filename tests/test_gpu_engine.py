@@ -141,19 +141,21 @@ def test_mixed_batching_matches_transformers_through_prefill_and_decode_in_one_s
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_no_step_compiles_a_kernel_after_start_up(enforce_eager):
+@pytest.mark.parametrize("enforce_eager,num_blocks,max_num_seqs", [(False, -1, 8), (True, 600, 6)])
+def test_no_step_compiles_a_kernel_after_start_up(enforce_eager, num_blocks, max_num_seqs):
     """A Triton compile inside a step stalls every request in it (about a second on the 4B, seen as
     single slow first tokens in serving sweeps). Start-up compiles what any step runs: the decode
     graphs (or, eager, decode steps at each decode-kernel variant), the prefill path at each
-    small-product tile, mixed steps at each decode-kernel variant and the sampler's variants. 1,056 tokens a sequence is 66
-    blocks, so a mixed step's views of the block tables start at every alignment."""
+    small-product tile, mixed steps at each decode-kernel variant and the sampler's variants.
+    1,056 tokens a sequence is 66 blocks, so a mixed step's views of the block tables start at every
+    alignment; a pool of a given size skips the profiling prefill, which must not be what compiles
+    anything; six sequences put the decode inputs' temperatures at an offset not a multiple of 16."""
     import triton
 
     model_dir = ensure_checkpoint("tiny")
     llm = LLM(str(model_dir), kvcache_block_size=16, max_model_len=1056, gpu_memory_utilization=0.3,
-              batching="mixed", max_num_batched_tokens=256, max_num_seqs=8,  # graphs of 1 to 8 rows only
-              enforce_eager=enforce_eager)
+              batching="mixed", max_num_batched_tokens=256, max_num_seqs=max_num_seqs,  # graphs of a few rows
+              enforce_eager=enforce_eager, num_kvcache_blocks=num_blocks)
     rows: set[int] = set()
     llm.events.subscribe(lambda e: rows.add(e.num_prefill_tokens + e.num_decode_tokens)
                          if e.kind == "step" and e.phase != "decode" else None)
