@@ -208,6 +208,9 @@ def report(r: dict) -> None:
 def print_kernels(what: str, k: dict) -> None:
     print(f"GPU time per {what}: {k['gpu_ms_per_step']:.3f} ms in {k['kernels_per_step']:.0f} kernels "
           f"(wall {k['wall_ms_per_step']:.3f} ms, profiled)")
+    if k["gpu_ms_per_step"] > k["wall_ms_per_step"]:
+        print("  (more than the wall time: kernels launched with PDL overlap, and each one's time includes "
+              "its wait for the one before)")
     for name, ms, count in k["kernels"][:12]:
         print(f"  {1e3 * ms:9.1f} us  x{count:5.1f}  {name[:100]}")
 
