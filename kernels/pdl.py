@@ -39,7 +39,3 @@ def launch_pdl(device: torch.device) -> bool:
     if not ENABLED or device.type != "cuda":
         return False
     return _supported(torch.cuda.current_device() if device.index is None else device.index)
-
-
-def prefetch_weights(device: torch.device) -> bool:
-    return PREFETCH_WEIGHTS and launch_pdl(device)

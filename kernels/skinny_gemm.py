@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_pdl, prefetch_weights
+from kernels import pdl
 
 # Larger products (rows x weight elements) go to cuBLAS and the activation kernel: every
 # prefill, and decode batches of models where the product is no longer bandwidth-bound (Qwen3-0.6B
@@ -198,12 +198,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n: int, conf
         raise ValueError(f"K={k} does not split into {config.split_k} slice(s) of whole {config.block_k}-wide"
                          " reduction steps")
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
-    pdl = launch_pdl(x.device)
+    use_pdl = pdl.launch_pdl(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, y, m, n, k // config.split_k, x.stride(0), weight.stride(0), y.stride(-2),
         SILU_MUL=silu_mul, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        PDL=pdl, PREFETCH=prefetch_weights(x.device), num_warps=config.num_warps, num_stages=config.num_stages,
-        launch_pdl=pdl,
+        PDL=use_pdl, PREFETCH=use_pdl and pdl.PREFETCH_WEIGHTS, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=use_pdl,
     )
 
 
