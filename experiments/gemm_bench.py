@@ -11,8 +11,9 @@ measured in the same run.
 
     python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b]
 
-``--sweep`` times every tile candidate of the fused gate_up+silu product and prints the best
-next to ``choose_config``'s pick.
+``--sweep`` times every tile candidate of each product (with ``--rows`` up to 128, the split-K
+tiles of o and down with the norm that adds their partials) and prints the best next to what the
+engine picks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ import triton
 from experiments.attention_bench import copy_bandwidth
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
-from kernels.skinny_gemm import GemmConfig, choose_config, skinny_gemm, skinny_gemm_partials, split_k_fits
+from kernels.skinny_gemm import (
+    GemmConfig,
+    choose_config,
+    choose_split_k_config,
+    skinny_gemm,
+    skinny_gemm_partials,
+    split_k_fits,
+)
 from models.checkpoint import PRESETS
 from models.config import Qwen3Config
 
@@ -80,11 +88,27 @@ def graph_us(calls: list) -> float:
 def candidates(m: int, k: int) -> list[GemmConfig]:
     smallest_m = min(64, max(16, 1 << (m - 1).bit_length()))
     block_ms = [smallest_m] + ([128] if m >= 128 else [])
+    # Narrow tiles and deep pipelines too: at a few rows a product is its weight's stream, and more
+    # programs or more loads in flight per program may keep more of it moving.
+    block_ns = (16, 32, 64, 128) if m <= 16 else (32, 64, 128)
+    stages = (3, 4, 6) if m <= 16 else (3, 4)
     configs = []
-    for block_m, block_n, block_k, num_stages in itertools.product(block_ms, (32, 64, 128), (64, 128), (3, 4)):
+    for block_m, block_n, block_k, num_stages in itertools.product(block_ms, block_ns, (64, 128, 256), stages):
         if k % block_k == 0:
             configs.append(GemmConfig(block_m, block_n, block_k, 8 if block_m * block_n >= 8192 else 4, num_stages))
     return configs
+
+
+def split_k_candidates(m: int, k: int) -> list[GemmConfig]:
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    return [GemmConfig(block_m, block_n, block_k, num_stages=num_stages, split_k=split_k)
+            for split_k, block_n, block_k, num_stages in itertools.product((2, 4, 8), (16, 32, 64), (64, 128, 256), (3, 4, 6))
+            if k % (split_k * block_k) == 0]
+
+
+def tile(config: GemmConfig) -> str:
+    split = f" split {config.split_k}" if config.split_k > 1 else ""
+    return f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}{split}"
 
 
 def timed_configs(configs: list[GemmConfig], calls_for) -> list[tuple[float, GemmConfig]]:
@@ -114,22 +138,31 @@ def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) ->
     line = (f"{proj.name:>10} M={m:<4} floor {floor_us:6.2f} us | cuBLAS {cublas:6.2f} us ({floor_us / cublas:4.0%}) | "
             f"skinny {triton_us:6.2f} us ({floor_us / triton_us:4.0%}) {picked.block_m}x{picked.block_n}x{picked.block_k}"
             f" | x{cublas / triton_us:.2f}")
-    if proj.feeds_norm and split_k_fits(x, weights[0]):
+    split_k = proj.feeds_norm and split_k_fits(x, weights[0])
+    if split_k:
         err = ((skinny_gemm_partials(x, weights[0]).sum(0) - ref.float()).norm() / ref.float().norm()).item()
         if err > 1e-2:
             raise AssertionError(f"{proj.name} m={m}: split-K relative error {err:.2e} against cuBLAS")
         residual = torch.randn(m, proj.n, dtype=DTYPE, device="cuda", generator=gen)
         norm_weight = torch.ones(proj.n, dtype=DTYPE, device="cuda")
         whole = graph_us([lambda w=w: rms_norm(F.linear(x, w), norm_weight, 1e-6, residual) for w in weights])
-        split = graph_us([lambda w=w: rms_norm(skinny_gemm_partials(x, w), norm_weight, 1e-6, residual)
-                          for w in weights])
+
+        def split_calls(config: GemmConfig | None) -> list:
+            return [lambda w=w: rms_norm(skinny_gemm_partials(x, w, config), norm_weight, 1e-6, residual)
+                    for w in weights]
+
+        split = graph_us(split_calls(None))
         line += f" | +norm: cuBLAS {whole:6.2f} us, split-K {split:6.2f} us, x{whole / split:.2f}"
-    if sweep and proj.silu_mul:
-        timed = timed_configs(candidates(m, proj.k),
-                              lambda c: [lambda w=w: skinny_gemm(x, w, proj.silu_mul, c) for w in weights])
-        best_us, best = min(timed, key=lambda t: t[0])
-        line += (f" | best {best_us:6.2f} us {best.block_m}x{best.block_n}x{best.block_k}"
-                 f" w{best.num_warps} s{best.num_stages}")
+    if sweep:
+        if split_k:
+            timed = timed_configs(split_k_candidates(m, proj.k), split_calls)
+            line += f" | split-K: {choose_split_k_config(m, proj.k) and tile(choose_split_k_config(m, proj.k))}"
+        else:
+            timed = timed_configs(candidates(m, proj.k),
+                                  lambda c: [lambda w=w: skinny_gemm(x, w, proj.silu_mul, c) for w in weights])
+            line += f" | {tile(picked)}"
+        for us, config in sorted(timed, key=lambda t: t[0])[:3]:
+            line += f" | {us:6.2f} us {tile(config)}"
     print(line, flush=True)
 
 
@@ -138,7 +171,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256],
                         help="decode batch sizes (GEMM rows) to time")
     parser.add_argument("--preset", choices=sorted(p for p in PRESETS if p != "tiny"), default="qwen3-0.6b")
-    parser.add_argument("--sweep", action="store_true", help="also time every tile candidate of gate_up+silu")
+    parser.add_argument("--sweep", action="store_true", help="also time every tile candidate of each product")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemm_bench needs a CUDA GPU")

@@ -131,6 +131,12 @@ def choose_config(m: int, k: int) -> GemmConfig:
     """The tile that timed best for ``m`` rows in ``gemm_bench --sweep`` (``k`` a multiple of 16)."""
     if m > 128:
         return GemmConfig(128, 64, 64 if k % 64 == 0 else 16, num_warps=8)
+    if m <= 8 and k % 256 == 0:
+        # A few rows: the product is its weight's stream, and 256-wide steps six deep put a program's
+        # whole slice of a 0.6B weight in flight at once (gemm_bench --sweep, H100, one row: qkv 6.0
+        # -> 4.2 us, gate_up+SiLU 7.0 -> 6.4). Decode steps of the 0.6B at batch 1 took 2.3% less; at
+        # 16 rows they took 1.7% more, so larger batches keep the 128-wide tile (docs/performance.md).
+        return GemmConfig(16, 32, 256, num_stages=6)
     block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
     return GemmConfig(min(64, max(16, triton.next_power_of_2(m))), 32 if m <= 64 else 64, block_k)
 
@@ -155,7 +161,8 @@ _ANY_K = 2**12  # a K every reduction step divides: the tiles then differ only w
 def tile_rows(max_rows: int) -> list[int]:
     """The fewest rows of each tile that ``choose_config`` and ``choose_split_k_config`` pick for 1 to
     ``max_rows`` rows: a product of each of these many rows compiles every kernel that products of up
-    to ``max_rows`` rows run (a weight's K picks its reduction step whatever the rows)."""
+    to ``max_rows`` rows run (every reduction step divides ``_ANY_K``, so no K's tile changes at a row
+    count where ``_ANY_K``'s does not)."""
     rows, seen = [], set()
     for m in range(1, max_rows + 1):
         tiles = (choose_config(m, _ANY_K), choose_split_k_config(m, _ANY_K))

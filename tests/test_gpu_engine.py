@@ -184,7 +184,8 @@ def test_no_step_compiles_a_kernel_after_start_up(enforce_eager, num_blocks, max
     finally:
         triton.knobs.runtime.jit_cache_hook = None
         llm.close()
-    assert len(rows) >= 40 and min(rows) < 16 < max(rows)  # small prefill and mixed steps of many sizes
+    # Small prefill and mixed steps of many sizes (six sequences make fewer sizes than eight: 36 seen).
+    assert len(rows) >= 30 and min(rows) < 16 < max(rows)
     assert compiled == []
 
 
