@@ -91,6 +91,26 @@ def test_pdl_is_off_off_the_gpu() -> None:
     assert not pdl.launch_pdl(torch.device("cpu"))
 
 
+def assert_graph_matches_serial_launches(forward, new_inputs, monkeypatch) -> None:
+    """``forward`` captured in a CUDA graph with PDL, then four times over: ``new_inputs()``, a replay,
+    and ``forward`` launched serially, which must give the replay's output bit for bit (a kernel that
+    read before its wait would see the previous replay's values)."""
+    first = forward()  # compiles every variant before capture
+    out = torch.empty_like(first)
+    out.copy_(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(forward())
+    for _ in range(4):
+        new_inputs()
+        graph.replay()
+        with monkeypatch.context() as serial:
+            serial.setattr(pdl, "ENABLED", False)
+            expected = forward()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
 @pytest.mark.parametrize("m", (1, 16, 100))
@@ -122,19 +142,8 @@ def test_pdl_chain_matches_serial_launches_gpu(m: int, monkeypatch) -> None:
             partials = skinny_gemm_partials(skinny_gemm(h, gate_up_w, True), down_w)
         return rms_norm(partials, weights[0][0], 1e-6, residual)[0]
 
-    out = torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
-    out.copy_(forward())  # compiles every variant before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(forward())
-    for _ in range(4):
-        x.copy_(torch.randn(m, hidden, device="cuda", generator=gen))
-        graph.replay()
-        with monkeypatch.context() as serial:
-            serial.setattr(pdl, "ENABLED", False)
-            expected = forward()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    assert_graph_matches_serial_launches(forward, lambda: x.copy_(torch.randn(m, hidden, device="cuda", generator=gen)),
+                                         monkeypatch)
 
 
 @pytest.mark.gpu
@@ -180,16 +189,4 @@ def test_pdl_decode_layers_match_serial_launches_gpu(m: int, monkeypatch) -> Non
         return h
 
     stage()
-    out = torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
-    out.copy_(forward())  # compiles every variant before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(forward())
-    for _ in range(4):
-        stage()
-        graph.replay()
-        with monkeypatch.context() as serial:
-            serial.setattr(pdl, "ENABLED", False)
-            expected = forward()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    assert_graph_matches_serial_launches(forward, stage, monkeypatch)
