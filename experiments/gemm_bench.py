@@ -12,8 +12,8 @@ measured in the same run.
     python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b]
 
 ``--sweep`` times every tile candidate of each product (with ``--rows`` up to 128, the split-K
-tiles of o and down with the norm that adds their partials) and prints the best next to what the
-engine picks.
+tiles of o and down with the norm that adds their partials) and prints the three fastest after what
+the engine picks.
 """
 
 from __future__ import annotations
@@ -136,8 +136,7 @@ def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) ->
     picked = choose_config(m, proj.k)
     triton_us = graph_us([lambda w=w: skinny_gemm(x, w, proj.silu_mul, picked) for w in weights])
     line = (f"{proj.name:>10} M={m:<4} floor {floor_us:6.2f} us | cuBLAS {cublas:6.2f} us ({floor_us / cublas:4.0%}) | "
-            f"skinny {triton_us:6.2f} us ({floor_us / triton_us:4.0%}) {picked.block_m}x{picked.block_n}x{picked.block_k}"
-            f" | x{cublas / triton_us:.2f}")
+            f"skinny {triton_us:6.2f} us ({floor_us / triton_us:4.0%}) {tile(picked)} | x{cublas / triton_us:.2f}")
     split_k = proj.feeds_norm and split_k_fits(x, weights[0])
     if split_k:
         err = ((skinny_gemm_partials(x, weights[0]).sum(0) - ref.float()).norm() / ref.float().norm()).item()
@@ -156,11 +155,11 @@ def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) ->
     if sweep:
         if split_k:
             timed = timed_configs(split_k_candidates(m, proj.k), split_calls)
-            line += f" | split-K: {choose_split_k_config(m, proj.k) and tile(choose_split_k_config(m, proj.k))}"
+            line += f" | split-K {tile(choose_split_k_config(m, proj.k))}; fastest"
         else:
             timed = timed_configs(candidates(m, proj.k),
                                   lambda c: [lambda w=w: skinny_gemm(x, w, proj.silu_mul, c) for w in weights])
-            line += f" | {tile(picked)}"
+            line += " | fastest"
         for us, config in sorted(timed, key=lambda t: t[0])[:3]:
             line += f" | {us:6.2f} us {tile(config)}"
     print(line, flush=True)
