@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from engine.events import Step  # noqa: E402
 from engine.options import OptionError, add_engine_args, build_llm, parse_checked, reported_errors  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from kernels import pdl  # noqa: E402
 from experiments.bench import device_copy_bandwidth, weight_bytes_per_step  # noqa: E402
+from kernels import pdl  # noqa: E402
 from models.config import Qwen3Config  # noqa: E402
 
 PROMPT_TOKENS = 32

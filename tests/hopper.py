@@ -5,6 +5,7 @@ turns it on, and it patches ``triton.language`` once it has run a kernel)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,11 @@ def hopper_ptx(kernel, signature: dict[str, str], constexprs: dict[str, object],
                        constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, **options}).asm["ptx"]
+
+
+def ptx_op(line: str) -> str:
+    """The instruction of a PTX line, without its predicate guard (``@%p1``) or trailing ``;``."""
+    return re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()[0].rstrip(";")
 
 
 def run_compiled(code: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from kernels.all_reduce import _barrier_kernel, symmetric_barrier
 from kernels.reference import add_rms_norm_ref
 from kernels.rms_norm import _rms_norm_kernel, rms_norm
 
-from tests.hopper import hopper_ptx, run_compiled
+from tests.hopper import hopper_ptx, ptx_op, run_compiled
 from tests.servers import REPO, python_with_repo
 
 
@@ -164,7 +163,7 @@ def test_barrier_on_the_gpu_and_its_abort_from_the_host() -> None:
 
 
 def global_loads(ptx: str) -> dict[str, int]:
-    return dict(collections.Counter(re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()[0]
+    return dict(collections.Counter(ptx_op(line)
                                     for line in ptx.splitlines() if "ld.global" in line))
 
 

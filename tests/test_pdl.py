@@ -8,7 +8,6 @@ control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bi
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from kernels import pdl
 from kernels.paged_attention import decode_attention_from_qkv
 from kernels.rms_norm import rms_norm
 from kernels.skinny_gemm import skinny_gemm, skinny_gemm_partials
-from tests.hopper import run_compiled
+from tests.hopper import ptx_op, run_compiled
 
 
 
@@ -66,8 +65,7 @@ def compile_pdl_kernels() -> None:
         wait = next(i for i, line in enumerate(on) if "griddepcontrol.wait" in line)
         # Any instruction on global memory (loads, stores, atomics, cp.async, bulk copies), less the
         # address conversions (cvta), which touch no memory, and the directives declaring parameters.
-        ops = [re.sub(r"^@!?%p\d+\s+", "", line.strip()).split()[0].rstrip(";")
-               for line in on[:wait] if ".global" in line]
+        ops = [ptx_op(line) for line in on[:wait] if ".global" in line]
         before = [op for op in ops if not op.startswith((".", "cvta"))]
         found[name] = {"before_wait": sorted(set(before)), "prefetches": sum("prefetch.global.L2" in line for line in on[:wait]),
                        "launches_dependents": any("griddepcontrol.launch_dependents" in line for line in on[wait:]),
