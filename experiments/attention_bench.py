@@ -205,6 +205,8 @@ def bench_decode_tables(args: argparse.Namespace, copy_bw: float) -> None:
 
 def bench_prefill_tables(sweep: bool) -> None:
     prefill_configs: list[dict] = [{}]
+    if torch.cuda.get_device_capability()[0] >= 9:
+        prefill_configs.append({"tma": False})  # the default there loads whole K/V tiles by descriptor
     if sweep:
         prefill_configs += [
             {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}

@@ -11,6 +11,11 @@ K/V tile is read once for the whole GQA group and ``tl.dot`` gets at least 16 ro
 ``decode_attention_from_qkv`` runs the same kernel on the qkv projection's rows instead of q: each
 program applies QK-norm and rotary to its query heads and stores the new token's K/V, which saves
 ``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches).
+
+Prefill on Hopper loads each whole K/V tile with one TMA copy through a tensor descriptor of the
+cache (``tma``): 5-7% less kernel time than pointer loads on every measured shape (H100,
+docs/performance.md, #29). Tiles on the causal diagonal keep masked loads, so slots past a
+sequence's keys (whatever a freed block left there) are never read.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.norm_rope_store import check_qkv, norm_rope_heads
 from kernels.pdl import launch_pdl
@@ -248,6 +254,8 @@ def _attend_tiles(
     q_pos,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,
+    v_desc,
     bt_row,
     lo,
     hi,
@@ -262,18 +270,26 @@ def _attend_tiles(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Online-softmax update of (acc, m, l) with key tiles ``[lo, hi)``; CAUSAL masks by position and
     by ``k_len``. Without CAUSAL every tile must be whole and below ``k_len`` (the callers' unmasked
     ranges are), and its loads go unmasked. K and V share their caches' strides, so a tile's
     addresses are computed once for both; the scale folds into the exponent's multiply-add and the
-    second product accumulates into ``acc`` (5-13% faster on the H100: docs/performance.md, #29)."""
+    second product accumulates into ``acc`` (5-13% faster on the H100: docs/performance.md, #29).
+    With ``TMA`` the unmasked tiles come through the caches' tensor descriptors (``k_desc``,
+    ``v_desc``: the cache as ``[blocks x block_size, kv_heads x head_dim]``, tiles of ``BLOCK_N`` rows,
+    which lie in one block); masked tiles keep masked loads, so keys past ``k_len`` read as zeros."""
     toks = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + toks
         valid = k_pos < k_len
-        k = _load_kv_tile(k_cache_ptr, bt_row, start, toks, valid, dims, kv_head,
-                          stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, not CAUSAL)
+        if TMA and not CAUSAL:
+            cache_row = tl.load(bt_row + start // BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE
+            k = k_desc.load([cache_row, kv_head * stride_head])
+        else:
+            k = _load_kv_tile(k_cache_ptr, bt_row, start, toks, valid, dims, kv_head,
+                              stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, not CAUSAL)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if CAUSAL:
             s = tl.where((k_pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
@@ -281,29 +297,32 @@ def _attend_tiles(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s * scale_log2 - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, bt_row, start, toks, valid, dims, kv_head,
-                          stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, not CAUSAL)
+        if TMA and not CAUSAL:
+            v = v_desc.load([cache_row, kv_head * stride_head])
+        else:
+            v = _load_kv_tile(v_cache_ptr, bt_row, start, toks, valid, dims, kv_head,
+                              stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, not CAUSAL)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m = m_new
     return acc, m, l
 
 
 @triton.jit
-def _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache_ptr, bt_row, dims, kv_head,
-                   scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, dims,
+                   kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Query block ``m_block`` (its ``rows``, token ``ctx + row`` of the sequence) over its visible keys:
     those up to the block's first query position, visible to every row, unmasked (every one is below
     ``k_len``: the block has a row, so ``ctx + m_block * BLOCK_M < k_len``), then the diagonal masked."""
     unmasked_hi = (ctx + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     hi = tl.minimum(k_len, ctx + (m_block + 1) * BLOCK_M)
     q_pos = ctx + rows
-    acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, 0, unmasked_hi, k_len, dims,
-                              kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N,
-                              False, DOT_PRECISION)
-    return _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, unmasked_hi, hi, k_len, dims,
-                         kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, True,
-                         DOT_PRECISION)
+    acc, m, l = _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, 0, unmasked_hi,
+                              k_len, dims, kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE,
+                              BLOCK_N, False, DOT_PRECISION, TMA)
+    return _attend_tiles(acc, m, l, q, q_pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, bt_row, unmasked_hi, hi, k_len,
+                         dims, kv_head, scale_log2, stride_block, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N, True,
+                         DOT_PRECISION, TMA)
 
 
 # A mixed step passes the prompts' lengths and block tables as views that start past its decode
@@ -313,6 +332,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,
+    v_desc,
     out_ptr,
     cu_seqlens_q_ptr,
     cu_seqlens_k_ptr,
@@ -332,6 +353,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -356,9 +378,9 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    acc, m, l = _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache_ptr, bt_row, dims,
-                               kv_head, scale_log2, kv_stride_block, kv_stride_slot, kv_stride_head, BLOCK_SIZE,
-                               BLOCK_M, BLOCK_N, DOT_PRECISION)
+    acc, m, l = _attend_causal(acc, m, l, q, rows, m_block, ctx, k_len, k_cache_ptr, v_cache_ptr, k_desc, v_desc,
+                               bt_row, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot, kv_stride_head,
+                               BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, TMA)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * o_stride_tok + head * o_stride_head + dims[None, :],
@@ -564,11 +586,13 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Ragged prefill: ``q [total_q, H, D]``; sequence i owns ``q[cu_q[i]:cu_q[i+1]]`` and attends to
     its first ``cu_k[i+1]-cu_k[i]`` cached tokens through ``block_tables[i]`` (K/V already stored),
     causal mask aligned to the end. Pass ``max_seqlen_q`` (host int, an upper bound) to avoid the
-    one device-to-host read that sizes the grid."""
+    one device-to-host read that sizes the grid. ``tma``: load whole K/V tiles through tensor
+    descriptors (default: on Hopper, where the caches allow it, ``_tma_fits``)."""
     total_q, num_heads, head_dim = q.shape
     group, block_size, _ = _check_cache(q, k_cache, v_cache)
     if out is None:
@@ -580,9 +604,15 @@ def prefill_attention(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m = block_m or 64
     block_n = block_n or 64
+    if tma is None:
+        tma = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 and _tma_fits(k_cache, v_cache, block_n)
+    elif tma and not _tma_fits(k_cache, v_cache, block_n):
+        raise ValueError(f"tma needs contiguous caches whose blocks of {block_size} tokens hold whole tiles of "
+                         f"{block_n} keys")
+    k_desc, v_desc = (_kv_descriptor(k_cache, block_n), _kv_descriptor(v_cache, block_n)) if tma else (k_cache, v_cache)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables,
+        q, k_cache, v_cache, k_desc, v_desc, out, cu_seqlens_q, cu_seqlens_k, block_tables,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -593,10 +623,21 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
+        TMA=tma,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
+
+
+def _tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    # A tile is one descriptor load of rows of the cache seen as [blocks x block_size, heads x head_dim].
+    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] % block_n == 0
+
+
+def _kv_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    rows = cache.view(-1, cache.shape[2] * cache.shape[3])
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, cache.shape[3]])
 
 
 __all__ = ["decode_attention", "decode_attention_from_qkv", "decode_batches", "decode_num_splits", "prefill_attention"]

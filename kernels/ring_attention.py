@@ -67,17 +67,17 @@ def _partial_kernel(
     if CAUSAL:
         # Query row i is the part's token k_len - q_len + i: the mask is aligned to the end.
         acc, m, l = _attend_causal(acc, m, l, q, rows, m_block, k_len - q_len, k_len, k_cache_ptr, v_cache_ptr,
-                                   bt_ptr, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                                   kv_stride_head, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION)
+                                   k_cache_ptr, v_cache_ptr, bt_ptr, dims, kv_head, scale_log2, kv_stride_block,
+                                   kv_stride_slot, kv_stride_head, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, False)
     else:
         # Every key precedes every query: whole tiles need no mask, the last one only its length's.
         full = k_len // BLOCK_N * BLOCK_N
-        acc, m, l = _attend_tiles(acc, m, l, q, rows, k_cache_ptr, v_cache_ptr, bt_ptr, 0, full,
-                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-        acc, m, l = _attend_tiles(acc, m, l, q, k_len + rows, k_cache_ptr, v_cache_ptr, bt_ptr, full, k_len,
-                                  k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
-                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+        acc, m, l = _attend_tiles(acc, m, l, q, rows, k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, 0,
+                                  full, k_len, dims, kv_head, scale_log2, kv_stride_block, kv_stride_slot,
+                                  kv_stride_head, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, False)
+        acc, m, l = _attend_tiles(acc, m, l, q, k_len + rows, k_cache_ptr, v_cache_ptr, k_cache_ptr, v_cache_ptr,
+                                  bt_ptr, full, k_len, k_len, dims, kv_head, scale_log2, kv_stride_block,
+                                  kv_stride_slot, kv_stride_head, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, False)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * o_stride_tok + head * o_stride_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])

@@ -133,6 +133,13 @@ def _check_prefill(
             slots.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
     slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
     store_kvcache_ref(new_k, new_v, k_cache, v_cache, slot_mapping)
+    # Slots past a sequence's keys in its last block hold NaN: a kernel must never use them (a NaN
+    # key or value times a zero weight is still NaN).
+    for i, kl in enumerate(k_lens):
+        if kl % block_size:
+            last = int(tables[i, kl // block_size])
+            k_cache[last, kl % block_size:] = float("nan")
+            v_cache[last, kl % block_size:] = float("nan")
 
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -317,6 +324,21 @@ def test_prefill_cpu(block_size: int, num_heads: int, num_kv_heads: int, head_di
     # Default tiles (64 x 64) and a key tile that spans several blocks.
     _check_prefill([70, 2], [70 + b + 3, 2], num_heads, num_kv_heads, head_dim,
                    block_size, torch.float32, "cpu", 9)
+
+
+@pytest.mark.usefixtures("cpu")
+@pytest.mark.parametrize("block_size,block_n", [(16, 16), (64, 32)])
+def test_prefill_cpu_tma(block_size: int, block_n: int) -> None:
+    """Whole key tiles through the caches' tensor descriptors (the default on Hopper), masked tiles
+    (the diagonal, a prompt's last keys before NaN slots) through masked loads."""
+    b = block_size
+    for seed, (q_lens, k_lens) in enumerate((([5, 40, 1], [5, 40, 1]), ([7, 20, 3], [7 + 2 * b, 20 + b, 3 + 5]))):
+        _check_prefill(q_lens, k_lens, 4, 2, 32, block_size, torch.float32, "cpu", seed, block_m=16,
+                       block_n=block_n, tma=True)
+    k_cache = torch.zeros(4, 16, 2, 32)
+    with pytest.raises(ValueError, match="whole tiles of 64 keys"):
+        attn.prefill_attention(torch.zeros(3, 4, 32), k_cache, k_cache, torch.tensor([0, 3]), torch.tensor([0, 3]),
+                               torch.zeros(1, 1, dtype=torch.int32), 1.0, tma=True)
 
 
 @pytest.mark.usefixtures("cpu")
