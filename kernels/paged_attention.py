@@ -607,8 +607,8 @@ def prefill_attention(
     if tma is None:
         tma = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 and _tma_fits(k_cache, v_cache, block_n)
     elif tma and not _tma_fits(k_cache, v_cache, block_n):
-        raise ValueError(f"tma needs contiguous caches whose blocks of {block_size} tokens hold whole tiles of "
-                         f"{block_n} keys")
+        raise ValueError(f"tma needs contiguous 16-bit caches whose blocks of {block_size} tokens hold whole tiles "
+                         f"of {block_n} keys")
     k_desc, v_desc = (_kv_descriptor(k_cache, block_n), _kv_descriptor(v_cache, block_n)) if tma else (k_cache, v_cache)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -632,7 +632,9 @@ def prefill_attention(
 
 def _tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
     # A tile is one descriptor load of rows of the cache seen as [blocks x block_size, heads x head_dim].
-    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] % block_n == 0
+    # Measured with 16-bit caches only; float32 ones (the labs' --dtype float32) keep pointer loads.
+    return (k_cache.element_size() == 2 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[1] % block_n == 0)
 
 
 def _kv_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:

@@ -9,6 +9,7 @@ a CPU-only machine. GPU tests (``-m gpu``) sweep bf16/fp16 widely on CUDA.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -39,6 +40,7 @@ from kernels.skinny_gemm import (
     tile_rows,
 )
 from models.rotary import RotaryEmbedding
+from tests.hopper import run_compiled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,12 +335,41 @@ def test_prefill_cpu_tma(block_size: int, block_n: int) -> None:
     (the diagonal, a prompt's last keys before NaN slots) through masked loads."""
     b = block_size
     for seed, (q_lens, k_lens) in enumerate((([5, 40, 1], [5, 40, 1]), ([7, 20, 3], [7 + 2 * b, 20 + b, 3 + 5]))):
-        _check_prefill(q_lens, k_lens, 4, 2, 32, block_size, torch.float32, "cpu", seed, block_m=16,
+        _check_prefill(q_lens, k_lens, 4, 2, 32, block_size, torch.float16, "cpu", seed, block_m=16,
                        block_n=block_n, tma=True)
-    k_cache = torch.zeros(4, 16, 2, 32)
-    with pytest.raises(ValueError, match="whole tiles of 64 keys"):
-        attn.prefill_attention(torch.zeros(3, 4, 32), k_cache, k_cache, torch.tensor([0, 3]), torch.tensor([0, 3]),
-                               torch.zeros(1, 1, dtype=torch.int32), 1.0, tma=True)
+    for k_cache in (torch.zeros(4, 16, 2, 32, dtype=torch.float16), torch.zeros(4, 64, 2, 32)):
+        with pytest.raises(ValueError, match="16-bit"):
+            attn.prefill_attention(torch.zeros(3, 4, 32, dtype=k_cache.dtype), k_cache, k_cache, torch.tensor([0, 3]),
+                                   torch.tensor([0, 3]), torch.zeros(1, 1, dtype=torch.int32), 1.0, tma=True)
+
+
+def count_prefill_tile_copies() -> None:
+    """Prints, for the prefill kernel compiled for an H100 with and without ``TMA``, how many TMA
+    copies (``cp.async.bulk.tensor``) its PTX issues."""
+    from kernels.paged_attention import _prefill_kernel
+    from tests.hopper import hopper_ptx, ptx_op
+
+    i32, desc = "i32", "tensordesc<bf16[64, 128]>"
+    signature = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", k_desc=desc, v_desc=desc,
+                     out_ptr="*bf16", cu_seqlens_q_ptr="*i32", cu_seqlens_k_ptr="*i32", block_tables_ptr="*i32",
+                     scale_log2="fp32", q_stride_tok=i32, q_stride_head=i32, o_stride_tok=i32, o_stride_head=i32,
+                     kv_stride_block=i32, kv_stride_slot=i32, kv_stride_head=i32, bt_stride=i32)
+    counts = {}
+    for tma in (True, False):
+        ptx = hopper_ptx(_prefill_kernel, signature if tma else {**signature, "k_desc": "*bf16", "v_desc": "*bf16"},
+                         dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32",
+                              TMA=tma))
+        counts[str(tma)] = sum(ptx_op(line).startswith("cp.async.bulk.tensor") for line in ptx.splitlines()
+                               if line.strip())
+    print(json.dumps(counts))
+
+
+def test_prefill_kernel_copies_whole_tiles_by_tma_on_hopper() -> None:
+    """Compiled for an H100 (on the CPU), the kernel the GPU runs: with ``TMA`` the unmasked K and V
+    tiles are TMA copies; without it there are none (pointer loads)."""
+    counts = json.loads(run_compiled("from tests.test_kernels import count_prefill_tile_copies; "
+                                     "count_prefill_tile_copies()").splitlines()[-1])
+    assert counts["True"] >= 2 and counts["False"] == 0
 
 
 @pytest.mark.usefixtures("cpu")
