@@ -13,8 +13,8 @@ program applies QK-norm and rotary to its query heads and stores the new token's
 ``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches).
 
 Prefill on Hopper loads each whole K/V tile with one TMA copy through a tensor descriptor of the
-cache (``tma``): 5-7% less kernel time than pointer loads on every measured shape (H100,
-docs/performance.md, #29). Tiles on the causal diagonal keep masked loads, so slots past a
+cache (``tma``, for calls of ``TMA_MIN_QUERIES`` or more): 5-7% less kernel time than pointer loads
+on every measured shape (H100, docs/performance.md, #29). Tiles on the causal diagonal keep masked loads, so slots past a
 sequence's keys (whatever a freed block left there) are never read.
 """
 
@@ -31,6 +31,11 @@ from kernels.norm_rope_store import check_qkv, norm_rope_heads
 from kernels.pdl import launch_pdl
 
 _LOG2E = 1.4426950408889634
+# Prefill calls with fewer queries keep pointer loads. Passing a tensor descriptor costs the launch
+# host time (measured on the H100: at least ~30 us more per call of the ring's partial kernel, there
+# host-bound), which a step of small prompts, whose attention takes tens of microseconds, would
+# wait for; from a few thousand queries the kernel runs long enough to hide it.
+TMA_MIN_QUERIES = 4096
 _MAX_SPLITS = 16
 # A split shorter than this spends more on its partial write and the reduction than it saves.
 _MIN_SPLIT_TOKENS = 256
@@ -592,7 +597,8 @@ def prefill_attention(
     its first ``cu_k[i+1]-cu_k[i]`` cached tokens through ``block_tables[i]`` (K/V already stored),
     causal mask aligned to the end. Pass ``max_seqlen_q`` (host int, an upper bound) to avoid the
     one device-to-host read that sizes the grid. ``tma``: load whole K/V tiles through tensor
-    descriptors (default: on Hopper, where the caches allow it, ``_tma_fits``)."""
+    descriptors (default: on Hopper, for at least ``TMA_MIN_QUERIES`` queries, where the caches allow
+    it, ``_tma_fits``)."""
     total_q, num_heads, head_dim = q.shape
     group, block_size, _ = _check_cache(q, k_cache, v_cache)
     if out is None:
@@ -605,7 +611,8 @@ def prefill_attention(
     block_m = block_m or 64
     block_n = block_n or 64
     if tma is None:
-        tma = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 and _tma_fits(k_cache, v_cache, block_n)
+        tma = (total_q >= TMA_MIN_QUERIES and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+               and _tma_fits(k_cache, v_cache, block_n))
     elif tma and not _tma_fits(k_cache, v_cache, block_n):
         raise ValueError(f"tma needs contiguous 16-bit caches whose blocks of {block_size} tokens hold whole tiles "
                          f"of {block_n} keys")
