@@ -14,8 +14,8 @@ program applies QK-norm and rotary to its query heads and stores the new token's
 
 Prefill on Hopper loads each whole K/V tile with one TMA copy through a tensor descriptor of the
 cache (``tma``, for calls of ``TMA_MIN_QUERIES`` or more): 5-7% less kernel time than pointer loads
-on every measured shape (H100, docs/performance.md, #29). Tiles on the causal diagonal keep masked loads, so slots past a
-sequence's keys (whatever a freed block left there) are never read.
+on every measured shape (H100, docs/performance.md, #29). Tiles on the causal diagonal keep masked
+loads, so slots past a sequence's keys (whatever a freed block left there) are never read.
 """
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ def _partial_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Pointer loads only (TMA off, the caches standing in for its descriptors): with them a launch
+    # costs more host time than a short part saves (docs/performance.md, #29).
     if CAUSAL:
         # Query row i is the part's token k_len - q_len + i: the mask is aligned to the end.
         acc, m, l = _attend_causal(acc, m, l, q, rows, m_block, k_len - q_len, k_len, k_cache_ptr, v_cache_ptr,
