@@ -85,9 +85,13 @@ def graph_us(calls: list) -> float:
     return statistics.median(times)
 
 
+def smallest_block_m(m: int) -> int:
+    """The fewest rows of a tile that holds ``m`` rows (16 to 64, a power of two), as the engine's tiles."""
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
 def candidates(m: int, k: int) -> list[GemmConfig]:
-    smallest_m = min(64, max(16, 1 << (m - 1).bit_length()))
-    block_ms = [smallest_m] + ([128] if m >= 128 else [])
+    block_ms = [smallest_block_m(m)] + ([128] if m >= 128 else [])
     # Narrow tiles and deep pipelines too: at a few rows a product is its weight's stream, and more
     # programs or more loads in flight per program may keep more of it moving.
     block_ns = (16, 32, 64, 128) if m <= 16 else (32, 64, 128)
@@ -100,8 +104,7 @@ def candidates(m: int, k: int) -> list[GemmConfig]:
 
 
 def split_k_candidates(m: int, k: int) -> list[GemmConfig]:
-    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
-    return [GemmConfig(block_m, block_n, block_k, num_stages=num_stages, split_k=split_k)
+    return [GemmConfig(smallest_block_m(m), block_n, block_k, num_stages=num_stages, split_k=split_k)
             for split_k, block_n, block_k, num_stages in itertools.product((2, 4, 8), (16, 32, 64), (64, 128, 256), (3, 4, 6))
             if k % (split_k * block_k) == 0]
 
