@@ -8,13 +8,13 @@ TITLE_INSET = 6  # a border title's room is the panel's width less its corners a
 
 
 def seconds(value: float | None) -> str:
+    """At most five cells: the unit is chosen after rounding, so 999.7 µs reads ``1ms``, not ``1000µs``."""
     if value is None:
         return "-"
-    if value < 1e-3:
-        return f"{value * 1e6:.0f}µs"
-    if value < 1.0:
-        return f"{value * 1e3:.0f}ms"
-    if value < 100:
+    for scale, unit in ((1e6, "µs"), (1e3, "ms")):
+        if round(value * scale) < 1000:
+            return f"{value * scale:.0f}{unit}"
+    if round(value, 1) < 100:
         return f"{value:.1f}s"
     return f"{value:.0f}s"
 

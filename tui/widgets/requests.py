@@ -94,7 +94,8 @@ class RequestsPanel(Vertical):
                 rendered = _render(cells)
                 for i, (label, key) in enumerate(COLUMNS):
                     if old[i] != cells[i] or old[1] != cells[1]:  # a state change restyles the whole row
-                        table.update_cell(str(request_id), key, rendered[i])
+                        # A row that turns "preempted" or gets its ttft outgrows the column it was added to.
+                        table.update_cell(str(request_id), key, rendered[i], update_width=True)
             self._shown[request_id] = cells
         order = [row.request_id for row in rows]
         if order != self._order:
