@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from textual.widget import Widget
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
 
 from engine.events import EngineStarted, Event, PrefixHit, RequestRejected, Step
 from engine.options import build_llm
@@ -27,14 +27,15 @@ from tests.control_plane import run_workload, workload_engine, workload_events
 from tui import format as fmt
 from tui.__main__ import make_parser
 from tui.app import MAX_EVENTS_PER_TICK, SEEK_STEPS, DashboardApp
-from tui.sources import EngineError, LiveSource, ReplaySource, ScriptedSource
-from tui.state import DashboardState
+from tui.sources import EngineError, LiveSource, ReplaySource, Reset, ScriptedSource
+from tui.state import FEED_SIZE, DashboardState
 from tui.widgets.event_feed import EventFeed, FeedLines
 from tui.widgets.header import HeaderBar, header_parts
 from tui import palette
 from tui.widgets.help import HelpScreen
 from tui.widgets.timeline import StepTimeline
-from tui.widgets.requests import state_label
+from tui.widgets.block_map import BlockGrid
+from tui.widgets.requests import COLUMNS, DROP_ORDER, state_label
 
 RECORDING = Path(__file__).parent / "data" / "dashboard.jsonl.gz"
 END = 10**9
@@ -157,6 +158,102 @@ def test_at_80x24_header_footer_and_table_fit_without_wrapping(live):
     run(go())
 
 
+def test_at_80x24_the_steps_legend_of_mixed_batches_with_a_host_tier_fits():
+    app = DashboardApp(LiveLikeSource(workload_events(batching="mixed", num_host_kvcache_blocks=24)))
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            timeline = app.query_one(StepTimeline)
+            legend = screen(app)[timeline.region.bottom - 1]
+            for part in ("prefill", "decode (stacked)", "P preempt", "c chunk", "g graph", "↑↓ host copies"):
+                assert part in legend
+            assert "…" not in legend  # "(log height)" made room
+
+    run(go())
+
+
+def test_a_host_tier_announced_after_start_up_is_measured_after_its_layout():
+    # A live engine loads for seconds, a --connect finds the server later: the host pool's grid
+    # appears on a later tick, and both grids' blocks per cell must be those they draw.
+    startup = [e for e in workload_events(num_host_kvcache_blocks=200, num_kvcache_blocks=400)
+               if e.kind in ("engine_started", "cudagraph_capture")]
+    source = LiveLikeSource([])
+    app = DashboardApp(source)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            for event in startup:
+                source.buffer.put(event)
+            await _settle(pilot)
+            await pilot.pause()
+            gpu, host = app.query_one("#gpu-blocks", BlockGrid), app.query_one("#host-blocks", BlockGrid)
+            assert host.size.height > 0 and gpu.blocks_per_cell() > 1 and host.blocks_per_cell() > 1
+            assert str(app.query_one("#kv").border_title).endswith(f" · {gpu.blocks_per_cell()}/cell")
+            assert f" · {host.blocks_per_cell()}/cell" in str(app.query_one("#host-stats", Static).render())
+
+    run(go())
+
+
+def test_an_idle_live_engines_throughput_scrolls_on_in_zeros():
+    _, events = read_recording(RECORDING)
+    events = list(events)
+    busy = reduced(events).throughput_history()[1]
+    assert busy[-1] > 0  # the recording ends decoding
+    app = DashboardApp(LiveLikeSource(events), clock=lambda: events[-1].t + 60.0)  # a minute later
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            assert app.query_one("#decode-spark").data == [0.0] * len(app.query_one("#decode-spark").data)
+            assert "decode  0 tok/s" in "\n".join(screen(app))
+
+    run(go())
+
+
+def _served_before(event: Event, requests: int) -> Event:
+    """``event`` as a server that had already served ``requests`` requests would send it."""
+    changes = {name: getattr(event, name) + requests for name in ("request_id", "for_request_id")
+               if getattr(event, name, None) is not None}
+    if hasattr(event, "request_ids"):
+        changes["request_ids"] = tuple(r + requests for r in event.request_ids)
+    return dataclasses.replace(event, **changes)
+
+
+def test_at_80x24_a_long_running_servers_ids_drop_a_column_instead_of_scrolling_and_a_reset_restores_it():
+    events = workload_events(rounds=3)
+    end = next(i for i, e in enumerate(events) if e.kind == "preempt") + 1
+    source = LiveLikeSource([_served_before(e, 10_000) for e in events[:end]])
+    app = DashboardApp(source)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            table = app.query_one(DataTable)
+            await wait_for(pilot, lambda: not table.show_horizontal_scrollbar, timeout=10)
+            assert sum(column.get_render_width(table) for column in table.columns.values()) <= (
+                table.scrollable_content_region.width)
+            keys = [column.key.value for column in table.columns.values()]
+            assert keys == ["id", "state", "prompt", "cached", "gen", "ttft"]  # only DROP_ORDER's first went
+            assert DROP_ORDER[0] == "preempt"
+            for line, row in zip(rows_of(app, table)[1:], app.state.table_rows()):
+                assert line.split()[:2] == [str(row.request_id), state_label(row).split()[0]]
+                assert row.request_id >= 10_000
+                if row.ttft is not None:
+                    assert line.rstrip().endswith(f" {fmt.seconds(row.ttft)}")
+            # A replay seeked back (or a reconnect) starts over with small ids: the columns shrink back.
+            source.buffer.put(Reset())
+            for event in events[:end]:
+                source.buffer.put(event)
+            await _settle(pilot)
+            assert [column.key.value for column in table.columns.values()] == [key for _, key in COLUMNS]
+            assert table.columns["id"].get_render_width(table) == 1 + len("id")
+            assert "preempted" in {row.state for row in app.state.table_rows()}
+
+    run(go())
+
+
 @pytest.mark.parametrize("value, text", [(0.0, "0µs"), (999.4e-6, "999µs"), (999.6e-6, "1ms"), (0.9994, "999ms"),
                                          (0.9996, "1.0s"), (99.94, "99.9s"), (99.96, "100s"), (9999.0, "9999s")])
 def test_a_duration_under_10_000_seconds_takes_at_most_five_cells(value, text):
@@ -180,6 +277,37 @@ def test_at_80x24_every_event_line_starts_with_its_step():
             rows = rows_of(app, app.query_one(FeedLines))
             assert len(rows) == 4 and all(re.match(r" +\d+ \S", row) for row in rows)
             assert rows[0].lstrip().startswith("1 reject #9 (invalid): the prompt") and rows[0].rstrip().endswith("…")
+
+    run(go())
+
+
+def test_a_reader_scrolled_up_in_a_full_feed_keeps_their_line_as_old_ones_drop():
+    _, events = read_recording(RECORDING)
+    started = next(e for e in events if isinstance(e, EngineStarted))
+
+    def rejected(i: int) -> RequestRejected:
+        return RequestRejected(t=started.t, step=i, request_id=i, reason="too long", code="invalid")
+
+    source = ScriptedSource([started, *(rejected(i) for i in range(FEED_SIZE))])
+
+    async def go():
+        app = DashboardApp(source)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _settle(pilot)
+            feed = app.query_one(FeedLines)
+            feed.scroll_to(y=200, animate=False)
+            await pilot.pause()
+            assert rows_of(app, feed)[0].split()[:3] == ["200", "reject", "#200"]
+            for i in range(FEED_SIZE, FEED_SIZE + 30):  # the 30 oldest lines drop
+                source.buffer.put(rejected(i))
+            await _settle(pilot)
+            assert len(feed.entries) == FEED_SIZE and feed.entries[0].step == 30
+            assert rows_of(app, feed)[0].split()[:3] == ["200", "reject", "#200"]
+            feed.scroll_end(animate=False)  # back at the end: it follows the newest again
+            await pilot.pause()
+            source.buffer.put(rejected(FEED_SIZE + 30))
+            await _settle(pilot)
+            assert rows_of(app, feed)[-1].split()[:2] == [str(FEED_SIZE + 30), "reject"]
 
     run(go())
 
@@ -232,7 +360,7 @@ def test_a_mixed_step_stacks_its_decode_tokens_under_its_prefill_chunks():
             await _settle(pilot)
             assert "mixed · fcfs" in screen(app)[0]
             timeline = app.query_one(StepTimeline)
-            assert "#3 decode" in str(timeline.border_title) and "(stacked: mixed)" in str(timeline.border_subtitle)
+            assert "#3 decode" in str(timeline.border_title) and "(stacked)" in str(timeline.border_subtitle)
             text = timeline.render()
             rows = text.plain.split("\n")
             width = len(rows[0])
@@ -339,6 +467,7 @@ def test_replay_step_seek_speed_and_pause():
             await pilot.press("left_square_bracket", "left_square_bracket")  # back past the start: a reset
             await pilot.pause()
             assert source.replayer.position == 0 and app.state.events_seen == 0
+            assert str(app.query_one(StepTimeline).border_title) == "Steps"  # no step of the last pass
             await pilot.press("n", "n", "n", "n")  # step 0 (start-up), then steps 1 to 3
             await pilot.pause()
             # An iteration ends where the next step's first event is recorded (step 3's own results

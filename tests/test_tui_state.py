@@ -24,7 +24,7 @@ from engine.events import (
     Tokens,
 )
 from tests.control_plane import HOST_TIER, FakeEngine, host_holders, run_workload, workload_engine, workload_events
-from tui.state import FEED_RUN_IDS, FEED_SIZE, FINISHED_KEPT, BlockState, DashboardState, percentile
+from tui.state import FEED_RUN_IDS, FEED_SIZE, FINISHED_KEPT, HISTORY_BUCKETS, BlockState, DashboardState, percentile
 
 
 def arrived(rid: int, prompt_tokens: int, max_tokens: int, temperature: float = 0.0) -> RequestArrived:
@@ -213,6 +213,13 @@ def test_rates_and_history_come_from_event_times():
     assert state.rates(now=200.0) == (0.0, 0.0, 0.0)  # idle for long: nothing in the window
     # 0.5 s buckets: the closed ones hold 5 steps of 4 tokens each -> 40 tok/s.
     assert list(state.decode_history)[1:] == [pytest.approx(40.0)] * (len(state.decode_history) - 1)
+    # A live clock 2 s past the last step: the open bucket closes, then idle ones as zeros.
+    closed = list(state.decode_history)
+    assert state.throughput_history() == (list(state.prefill_history), closed)
+    prefill, decode = state.throughput_history(now=state.last_t + 2.0)
+    assert decode[:len(closed)] == closed and decode[len(closed)] > 0 and decode[len(closed) + 1:] == [0.0] * 3
+    assert prefill == [0.0] * len(decode)
+    assert state.throughput_history(now=state.last_t + 1e4)[1] == [0.0] * HISTORY_BUCKETS  # idle for hours
 
 
 def test_feed_lists_hits_rejections_and_errors_in_order():

@@ -72,7 +72,7 @@ class DashboardApp(App[None]):
         self.duration = duration
         self.last_drain = 0
         self.max_drain = 0
-        self._panels: tuple[RequestsPanel, BlockMapPanel, StepTimeline, EventFeed, LatencyPanel] | None = None
+        self._panels: tuple[RequestsPanel, BlockMapPanel, StepTimeline, EventFeed] | None = None
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -90,8 +90,9 @@ class DashboardApp(App[None]):
         self._header = self.query_one(HeaderBar)
         self._banner = self.query_one("#error-banner", Static)
         self._feed = self.query_one(EventFeed)
+        self._latency = self.query_one(LatencyPanel)
         self._panels = (self.query_one(RequestsPanel), self.query_one(BlockMapPanel), self.query_one(StepTimeline),
-                        self._feed, self.query_one(LatencyPanel))
+                        self._feed)
         self._timer = self.set_interval(TICK_S, self.tick)
         if self.duration is not None:
             self.set_timer(self.duration, self.exit)
@@ -141,6 +142,7 @@ class DashboardApp(App[None]):
             return
         with self.batch_update():
             self._header.show(state, self.source.status(), now)
+            self._latency.show(state, now)  # on a live clock, an idle engine's history scrolls on
             if not changed:
                 return
             self._banner.set_class(state.error is not None, "visible")

@@ -345,6 +345,17 @@ class DashboardState:
         span = min(RATE_WINDOW_S, max(end - (self.start_t if self.start_t is not None else start), 1e-9))
         return (len(steps) / span, sum(s[1] for s in steps) / span, sum(s[2] for s in steps) / span)
 
+    def throughput_history(self, now: float | None = None) -> tuple[list[float], list[float]]:
+        """Prefill and decode tok/s per closed bucket, oldest first. With ``now`` (a live engine's
+        clock) the buckets that ended since the last step are closed too: idle time scrolls in as
+        zeros before the next step arrives."""
+        prefill, decode = list(self.prefill_history), list(self.decode_history)
+        if now is not None and self._bucket_start is not None and now >= self._bucket_start + BUCKET_S:
+            idle = min(int((now - self._bucket_start) // BUCKET_S) - 1, HISTORY_BUCKETS)
+            prefill += [self._bucket_tokens[0] / BUCKET_S] + [0.0] * idle
+            decode += [self._bucket_tokens[1] / BUCKET_S] + [0.0] * idle
+        return prefill[-HISTORY_BUCKETS:], decode[-HISTORY_BUCKETS:]
+
     def latency_percentiles(self) -> dict[str, dict[int, float | None]]:
         out = {}
         for name, values in (("ttft", self.ttfts), ("itl", self.itls)):

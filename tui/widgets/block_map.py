@@ -116,6 +116,7 @@ class BlockMapPanel(Vertical):
         super().__init__(**kwargs)
         self.border_title = "KV blocks"
         self._state: DashboardState | None = None
+        self._parts = (False, False)  # (the CPU-offload ring, the host tier) shown
 
     def compose(self) -> ComposeResult:
         yield Static(id="kv-stats")
@@ -138,12 +139,20 @@ class BlockMapPanel(Vertical):
         grid.show(state)
         counts = state.block_counts()
         engine = state.engine
-        size = f"{state.num_blocks} × {engine.block_size} tok" if engine else ""
         group = grid.blocks_per_cell()
-        where = "host KV blocks" if state.ring else "KV blocks"
-        self.border_title = f"{where}  {size}" + (f" · {group}/cell" if group > 1 else "")
         room = self.outer_size.width - fmt.TITLE_INSET
+        # A GPU's tens of thousands of blocks: the block size goes first, then the count.
+        self.border_title = fmt.fit([(9, Text("host KV blocks" if state.ring else "KV blocks")),
+                                     (6, Text(f"  {state.num_blocks}" if engine else "")),
+                                     (3, Text(f" × {engine.block_size} tok" if engine else "")),
+                                     (7, Text(f" · {group}/cell" if group > 1 else ""))], room)
         self.border_subtitle = LEGEND if room >= LEGEND_WIDTH else LEGEND_NARROW
+        tier = state.num_cpu_blocks > 0
+        if (state.ring, tier) != self._parts:
+            # Parts shown for the first time have no size until the next layout, and take room from
+            # the GPU grid: measure everything again then.
+            self._parts = (state.ring, tier)
+            self.call_after_refresh(self.show, state)
         for part in ("#ring-stats", "#ring-slots", "#ring-layers"):
             self.query_one(part).display = state.ring
         if state.ring:
@@ -153,7 +162,6 @@ class BlockMapPanel(Vertical):
             self.query_one(RingLayers).show(state)
             if room >= LEGEND_WIDTH + RING_LEGEND_WIDTH:
                 self.border_subtitle = f"{self.border_subtitle} {RING_LEGEND}"
-        tier = state.num_cpu_blocks > 0
         for part in ("#host-stats", "#host-blocks"):
             self.query_one(part).display = tier
         if tier:

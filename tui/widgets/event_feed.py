@@ -51,11 +51,17 @@ class FeedLines(ScrollView):
         self.set_entries(self.entries)
 
     def set_entries(self, entries: list[FeedEntry]) -> None:
+        # A reader scrolled up keeps the line at the top while a full feed drops its oldest lines.
+        top = self.entries[int(self.scroll_y)] if not self._following and self.scroll_y < len(self.entries) else None
         self.entries = entries
         self.virtual_size = Size(self.scrollable_content_region.width, len(entries))
         self.refresh()
         if self._following:
             self.scroll_end(animate=False, x_axis=False)  # after the refresh, which sets the new height
+        elif top is not None:
+            index = next((i for i, entry in enumerate(entries) if entry is top), None)
+            if index is not None and index != int(self.scroll_y):
+                self.scroll_to(y=index, animate=False)
 
     def line_text(self, entry: FeedEntry, width: int) -> Text:
         line = Text.assemble((f"{entry.step:>{STEP_WIDTH - 1}} ", "dim"), (entry.text, STYLES.get(entry.category, "")),

@@ -17,6 +17,7 @@ class LatencyPanel(Vertical):
         self.border_title = "Throughput and latency"
         self.border_subtitle = f"{BUCKET_S:g} s per column"
         self._state: DashboardState | None = None
+        self._shown: tuple[int, int, list[list[float]]] | None = None
 
     def on_resize(self) -> None:
         if self._state is not None:  # how much history fits depends on the width
@@ -29,12 +30,18 @@ class LatencyPanel(Vertical):
                 yield Sparkline([], id=f"{name}-spark")
         yield Static(id="percentiles")
 
-    def show(self, state: DashboardState) -> None:
+    def show(self, state: DashboardState, now: float | None = None) -> None:
+        """``now``: a live engine's clock, so that an idle engine's history scrolls on in zeros."""
         self._state = state
         width = max(1, self.query_one("#prefill-spark").content_size.width)
-        for name, history in (("prefill", state.prefill_history), ("decode", state.decode_history)):
-            # Left-padded so that history scrolls in from the right at a fixed 0.5 s per column.
-            values = [0.0] * max(0, width - len(history)) + list(history)[-width:]
+        # Left-padded so that history scrolls in from the right at a fixed 0.5 s per column.
+        raw = state.throughput_history(now)
+        histories = [[0.0] * max(0, width - len(history)) + history[-width:] for history in raw]
+        shown = (id(state), state.events_seen, histories)
+        if shown == self._shown:  # an idle tick with no new column: nothing to redraw
+            return
+        self._shown = shown
+        for name, history, values in zip(("prefill", "decode"), raw, histories):
             label = Text(f"{name:<7} ", style="dim")
             label.append(fmt.count(values[-1]) if history else "-", style="bold")
             label.append(" tok/s", style="dim")

@@ -22,10 +22,12 @@ from tui.state import DashboardState, StepRecord
 BARS = " ▁▂▃▄▅▆▇█"
 ROW_LEVELS = len(BARS) - 1
 MARKS = (("P", f"bold {palette.PREEMPT}"), ("c", f"bold {palette.CHUNK}"), ("g", palette.GRAPH), ("·", palette.FREE))
-LEGEND = (f"[{palette.PREFILL}]█[/] prefill [{palette.DECODE}]█[/] decode{{mixed}}  [b {palette.PREEMPT}]P[/] preempt "
-          f"[b {palette.CHUNK}]c[/] chunk [{palette.GRAPH}]g[/] graph (log height)")
-MIXED_LEGEND = " (stacked: mixed)"
-HOST_LEGEND = f"  [{palette.MOVED}]↑↓[/] host copies"
+# The legend's parts (priority, text): a narrow panel drops the lowest priorities first.
+LEGEND = (Text.from_markup(f"[{palette.PREFILL}]█[/] prefill [{palette.DECODE}]█[/] decode"),
+          Text.from_markup(f"  [b {palette.PREEMPT}]P[/] preempt [b {palette.CHUNK}]c[/] chunk [{palette.GRAPH}]g[/] graph"))
+LOG_LEGEND = Text(" (log height)")
+MIXED_LEGEND = Text(" (stacked)")
+HOST_LEGEND = Text.from_markup(f"  [{palette.MOVED}]↑↓[/] host copies")
 TRANSFERS = {(True, False): "↑", (False, True): "↓", (True, True): "↕", (False, False): " "}
 
 
@@ -56,7 +58,7 @@ class StepTimeline(Widget):
         super().__init__(**kwargs)
         self._state: DashboardState | None = None
         self.border_title = "Steps"
-        self.border_subtitle = LEGEND.format(mixed="")
+        self.border_subtitle = Text.assemble(LEGEND[0], LEGEND[1], LOG_LEGEND)
 
     def on_resize(self) -> None:
         if self._state is not None:  # the title's room depends on the width
@@ -65,9 +67,12 @@ class StepTimeline(Widget):
     def show(self, state: DashboardState) -> None:
         self._state = state
         mixed = state.engine is not None and state.engine.batching == "mixed"
-        self.border_subtitle = (LEGEND.format(mixed=MIXED_LEGEND if mixed else "")
-                                + (HOST_LEGEND if state.num_cpu_blocks or state.ring else ""))
-        if state.timeline:
+        legend = [(9, LEGEND[0]), (4, MIXED_LEGEND if mixed else Text()), (8, LEGEND[1]), (1, LOG_LEGEND),
+                  (5, HOST_LEGEND if state.num_cpu_blocks or state.ring else Text())]
+        self.border_subtitle = fmt.fit(legend, self.outer_size.width - fmt.TITLE_INSET)
+        if not state.timeline:  # a replay seeked back to its start, or a reconnect
+            self.border_title = "Steps"
+        else:
             last = state.timeline[-1]
             tokens = (f"{last.prefill_tokens}+{last.decode_tokens}" if last.phase == "mixed"
                       else last.prefill_tokens or last.decode_tokens)
