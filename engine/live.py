@@ -107,6 +107,11 @@ class LiveEngine:
         self._changed: dict[int, RequestHandle] = {}  # by id(handle), since the last notify
         self._followups: dict[int, Request] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Submitted handles the loop has not taken yet; once the loop has ended (``_closed``) a
+        # submit finishes its handle at once, so that no handle waits for a loop that is gone.
+        self._queued: dict[int, RequestHandle] = {}
+        self._closed = False
+        self._closing = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._single_steps = 0
@@ -177,6 +182,8 @@ class LiveEngine:
         handle = RequestHandle() if handle is None else handle
 
         def add() -> None:
+            with self._closing:
+                del self._queued[id(handle)]
             try:
                 handle.request_id = self.llm.add_request(prompt, sampling_params, **request)
             except ValueError as exc:
@@ -184,7 +191,12 @@ class LiveEngine:
             else:
                 self._handles[handle.request_id] = handle
             self._changed[id(handle)] = handle
-        self._command(add)
+        with self._closing:
+            if not self._closed:
+                self._queued[id(handle)] = handle
+                self._command(add)
+                return handle
+        handle._finish("abort" if self.error is None else "error", self.error)  # nobody waits on it yet
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -332,10 +344,13 @@ class LiveEngine:
             self.pacer.served(busy_s, abs(num_tokens), len(self.llm.scheduler.waiting))
 
     def _release(self, error: BaseException | None) -> None:
+        with self._closing:
+            self._closed = True
+            queued, self._queued = list(self._queued.values()), {}
         self.llm.scheduler.abort_all()
         if error is None:
             self.llm.drain()  # nothing of it is wanted: only the engine is left clean
-        for handle in list(self._handles.values()):
+        for handle in [*self._handles.values(), *queued]:
             handle._finish("abort" if error is None else "error", error)
             self._changed[id(handle)] = handle
         self._handles.clear()

@@ -181,7 +181,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in sampling_params.stop_token_ids if t >= vocab]
         if bad:
-            raise RequestRejectedError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestRejectedError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                       "stop_token_ids")
         token_ids = self._tokens(prompt)
         self.scheduler.check(len(token_ids), sampling_params.max_tokens)
         return token_ids

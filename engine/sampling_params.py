@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 
 
+TOP_K_MAX = 2**31 - 1
+
+
 def _is_int(value: object) -> bool:
     # bool is an int to Python, but ``max_tokens=False`` is a mistake.
     return isinstance(value, Integral) and not isinstance(value, bool)
@@ -76,7 +79,8 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be True or False")
         # numpy scalars become plain numbers, lists become tuples (the params may be shared by requests).
         self.temperature, self.top_p, self.max_tokens, self.min_tokens = float(t), float(p), int(n), int(m)
-        self.top_k = max(int(k), 0)
+        # Any k past the vocabulary keeps every token; capped so that it fits the sampler's int64 rows.
+        self.top_k = min(max(int(k), 0), TOP_K_MAX)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop = tuple(stop)
         self.stop_token_ids = tuple(int(i) for i in ids)

@@ -153,6 +153,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: the client still gets the API's error shape; the traceback goes to the server's log.
+        message = f"{request.method} {request.url.path}: internal error ({type(exc).__name__}: {exc})"
+        return JSONResponse(error_body(500, message), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"

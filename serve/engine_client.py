@@ -189,6 +189,8 @@ class AsyncEngine:
                 self._reader.cancel()
             self._kill()  # at once once its Stopped was read: the process is exiting
             atexit.unregister(self._kill)
+            if self.process is not None:
+                self.process.close()  # its sentinel pipe, else two descriptors per server lifetime
             self._die(None)
             for sock in (self._commands, self._outputs):
                 if sock is not None:
@@ -249,7 +251,7 @@ class AsyncEngine:
             if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
                 self.release(handle)  # admitted just before the cancellation reached us
             raise
-        except EngineDeadError:
+        except Exception:  # never sent (the engine is gone, or the message did not encode)
             self._admissions.pop(key, None)
             raise
         return handle

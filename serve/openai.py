@@ -169,7 +169,7 @@ class OpenAIServing:
             return SamplingParams(
                 temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=0 if req.top_k is None else req.top_k, max_tokens=max_tokens,
-                min_tokens=min(req.min_tokens, max_tokens), seed=None if req.seed in (None, -1) else req.seed,
+                min_tokens=req.min_tokens, seed=None if req.seed in (None, -1) else req.seed,
                 stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens)

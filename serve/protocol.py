@@ -10,9 +10,14 @@ nobody defined are ignored, as vLLM ignores them.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+# Every integer a request carries travels to the engine's process as msgpack, which holds 64 bits:
+# a larger one is a 400 naming its field, not an encoding error inside the server.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class APIError(Exception):
@@ -104,11 +109,11 @@ class _Request(BaseModel):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    min_tokens: int = 0
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    top_k: Int64 | None = None
+    min_tokens: Int64 = 0
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
@@ -117,7 +122,7 @@ class _Request(BaseModel):
     request_id: str | None = None
     user: str | None = None
     # vLLM's: lower is served first; anything but 0 needs the server started with --scheduling-policy priority.
-    priority: int = 0
+    priority: Int64 = 0
     # vLLM's: the choices carry their prompt's and their output's token ids (a stream: each chunk's new ones).
     return_token_ids: bool | None = None
 
@@ -146,8 +151,8 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[Int64] | list[list[Int64]] | None = None
+    max_tokens: Int64 | None = 16
     add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
@@ -183,6 +188,8 @@ class Message(BaseModel):
         for part in self.content:
             if not isinstance(part, TextPart):
                 kind = part.get("type", "?")
+                if kind == "text":  # what failed TextPart is its text
+                    raise APIError(400, "a message part of type 'text' needs a 'text' string", "messages")
                 raise APIError(400, f"a message part of type {kind!r} is not supported: the model is text-only",
                                "messages")
             texts.append(part.text)
@@ -191,8 +198,8 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -211,7 +218,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -222,4 +229,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[Int64] = Field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import Config, ConfigError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import TOP_K_MAX, SamplingParams
 
 
 @pytest.mark.parametrize("field,value", [
@@ -49,6 +49,7 @@ def test_sampling_params_validation(kwargs, match):
 def test_sampling_params_normalise_and_say_when_the_sampler_needs_more_than_a_temperature():
     params = SamplingParams(top_k=-1, stop="end", stop_token_ids=[3, 4])
     assert (params.top_k, params.stop, params.stop_token_ids) == (0, ("end",), (3, 4))
+    assert SamplingParams(top_k=2**80).top_k == TOP_K_MAX  # every token, in the sampler's int64 rows
     assert SamplingParams().plain and SamplingParams(stop="x").plain  # stop strings are the engine's, not the sampler's
     assert not SamplingParams(top_p=0.9).plain and not SamplingParams(seed=3).plain
     assert not SamplingParams(min_tokens=2).plain

@@ -414,6 +414,19 @@ def test_top_k_one_is_greedy(tiny_checkpoint):
     assert [c["token_ids"] for c in cut] == [g["token_ids"] for g in llm.generate(prompts, greedy(12), use_tqdm=False)]
 
 
+def test_a_top_k_past_64_bits_keeps_every_token_like_the_vocabularys_size(tiny_checkpoint):
+    # Once a step's error (numpy's int64 overflow) that ended the engine and every request with it.
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    vocab = llm.model_runner.model_config.vocab_size
+
+    def sample(top_k: int) -> list[list[int]]:
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=11, max_tokens=8, ignore_eos=True)
+        return [c["token_ids"] for c in llm.generate(prompts, params, use_tqdm=False)]
+
+    assert sample(2**80) == sample(vocab)
+
+
 def test_the_waiting_queue_limit_refuses_with_queue_full(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, max_waiting_requests=2)
     events = []

@@ -48,6 +48,30 @@ def test_a_request_whose_client_left_before_admission_is_aborted(tiny_checkpoint
     assert sorted(finished) == ["abort", "length"]  # the one that left was admitted, then aborted
 
 
+def test_a_request_that_cannot_be_sent_leaves_nothing_behind_and_close_releases_the_process(tiny_checkpoint):
+    async def run() -> AsyncEngine:
+        engine = AsyncEngine(str(tiny_checkpoint), ENGINE, torch_threads=1)
+        await engine.start()
+        try:
+            event = asyncio.Event()
+            with pytest.raises(OverflowError):  # past msgpack's 64 bits (the server refuses it with a 400 first)
+                await engine.submit([1, 2, 3], SamplingParams(max_tokens=2, stop_token_ids=[2**64]), event)
+            assert not engine._admissions  # nothing waits for an answer that can never come
+            handle = await engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=2), event)
+            while handle.finish_reason is None:
+                await event.wait()
+                event.clear()
+            assert handle.finish_reason == "length"
+        finally:
+            await engine.close()
+        return engine
+
+    engine = asyncio.run(run())
+    assert engine.dead
+    with pytest.raises(ValueError, match="closed"):  # its handle and sentinel pipe are released
+        engine.process.is_alive()
+
+
 def test_a_killed_engine_process_ends_the_streams_with_an_error_and_the_server_with_them(tiny_checkpoint):
     with threaded_server(tiny_checkpoint) as server:
         client, lines = start_stream(server.url)

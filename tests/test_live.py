@@ -302,6 +302,8 @@ def test_consumer_errors_are_contained_and_engine_errors_reported(tiny_checkpoin
         handle.result(timeout=10)
     live.stop()
     assert isinstance(live.error, RuntimeError) and reported == [live.error]
+    with pytest.raises(RuntimeError, match="device lost"):  # a loop that died answers at once, never hangs
+        live.submit([1, 2, 3], SamplingParams(max_tokens=5)).result(timeout=1)
     bm = llm.scheduler.block_manager
     assert len(bm.free_block_ids) == bm.num_blocks  # nothing leaked
 
@@ -310,9 +312,13 @@ def test_shutdown_releases_everything_quickly(tiny_checkpoint):
     llm = live_llm(tiny_checkpoint)
     live = LiveEngine(llm, make_workload("mixed", llm.model_config.vocab_size, rate=50.0)).start()
     time.sleep(1.0)
+    last = live.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))  # maybe never taken
     t = time.perf_counter()
     live.stop(timeout=30)  # generous hang guard; scripts/measure reports the real figure
     assert not live.running and time.perf_counter() - t < 30
+    assert last.finish_reason == "abort"
+    after = live.submit([1, 2, 3], SamplingParams(max_tokens=4))
+    assert after.result(timeout=1) == [] and after.finish_reason == "abort"
     assert llm.is_finished()
     bm = llm.scheduler.block_manager
     assert len(bm.free_block_ids) == bm.num_blocks

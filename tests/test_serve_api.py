@@ -243,6 +243,20 @@ BAD_REQUESTS = [
     ("priority without the priority policy", "/v1/completions", {"prompt": "x", "priority": 3}, 400,
      "--scheduling-policy priority", "priority"),
     ("priority not an integer", "/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority", "priority"),
+    # Past the 64 bits of the engine's wire format: once an encoding error, a plain-text 500.
+    ("top_k past 64 bits", "/v1/completions", {"prompt": "x", "top_k": 2**64}, 400, "top_k: Input should be less",
+     "top_k"),
+    ("stop token id past 64 bits", "/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, 400,
+     "stop_token_ids.0", "stop_token_ids.0"),
+    ("priority past 64 bits", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                       "priority": -(2**64)}, 400, "priority", "priority"),
+    ("tokenize no messages", "/tokenize", {"messages": []}, 400, "at least 1 item", "messages"),
+    ("min_tokens past max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 100}, 400,
+     "min_tokens=100", "min_tokens"),
+    ("stop token id outside the vocabulary", "/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400,
+     "outside the vocabulary", "stop_token_ids"),
+    ("text part without its text", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text"}]}]}, 400, "needs a 'text' string", "messages"),
 ]
 
 
@@ -256,6 +270,19 @@ def test_bad_input_is_a_4xx_naming_the_problem(server, what, path, body, status,
     assert error["type"]
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_an_unexpected_error_is_a_500_in_the_apis_shape_and_serving_goes_on(server, monkeypatch):
+    def broken(text: str, add_special_tokens: bool) -> list[int]:
+        raise RuntimeError("a bug in tokenize")
+
+    monkeypatch.setattr(server.server.state.serving, "tokenize", broken)
+    response = httpx.post(server.url + "/tokenize", json={"prompt": "x"})
+    assert response.status_code == 500 and response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == 500 and "RuntimeError: a bug in tokenize" in error["message"]
+    monkeypatch.undo()
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 200
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):
