@@ -241,8 +241,9 @@ class BlockManager:
         if start == end:
             return
         hashes = self._block_hashes(seq, end)
-        parent = hashes[start - 1] if start > 0 else NO_HASH
-        stored_ids, stored_hashes = [], []
+        # Runs of consecutive stored blocks, (first index, block ids): one block_stored each, so that
+        # every event's hashes chain from its parent_hash.
+        runs: list[tuple[int, list[int]]] = []
         write_through = self.offload_policy == "write-through"
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
@@ -251,11 +252,15 @@ class BlockManager:
             # The first block to compute a prefix owns the cache entry; a twin computed in the same
             # step (identical prompts admitted together) keeps its hash for chaining but stays private.
             if self.hash_to_block_id.setdefault(h, block.block_id) == block.block_id:
-                stored_ids.append(block.block_id)
-                stored_hashes.append(h)
+                if runs and runs[-1][0] + len(runs[-1][1]) == i:
+                    runs[-1][1].append(block.block_id)
+                else:
+                    runs.append((i, [block.block_id]))
                 if write_through:
                     self.offload_candidates.append(
                         OffloadCandidate(block.block_id, h, block.parent_hash, block.token_ids, seq.seq_id))
-        if self.events.active and stored_ids:
-            self.events.emit(BlockStored, request_id=seq.seq_id, block_ids=tuple(stored_ids),
-                             hashes=tuple(stored_hashes), parent_hash=parent, medium=self.medium)
+        if self.events.active:
+            for first, block_ids in runs:
+                self.events.emit(BlockStored, request_id=seq.seq_id, block_ids=tuple(block_ids),
+                                 hashes=tuple(hashes[first:first + len(block_ids)]),
+                                 parent_hash=hashes[first - 1] if first > 0 else NO_HASH, medium=self.medium)

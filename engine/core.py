@@ -59,6 +59,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     client_id: str | None = None
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
     priority: int = 0
+    # time.perf_counter() when the server received it (a system-wide clock on Linux and macOS):
+    # vLLM's arrival time, not the step boundary at which this process reads the message.
+    arrival_time: float | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
@@ -211,8 +214,8 @@ class EngineCoreProc:
     def _add(self, message: AddRequest) -> None:
         try:
             request_id = self.llm.add_request(message.prompt_token_ids, message.sampling_params,
-                                              client_id=message.client_id, trace_headers=message.trace_headers,
-                                              priority=message.priority)
+                                              message.arrival_time, client_id=message.client_id,
+                                              trace_headers=message.trace_headers, priority=message.priority)
         except RequestRejectedError as exc:
             self.send(Rejected(message.key, str(exc), exc.param, isinstance(exc, QueueFullError)))
         else:

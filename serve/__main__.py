@@ -84,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             sock = listen(args.host, args.port, backlog=2048, option="--port")
         except OSError as exc:
             raise option_error(exc) from exc
-        consumers: list[Consumer] = []
         summary = RunSummary()
-        try:
-            consumers = [summary, PrometheusExporter(name, kv_cache_metrics=args.kv_cache_metrics,
-                                                     kv_cache_metrics_sample=args.kv_cache_metrics_sample),
-                         *open_consumers(args, model_name=name, meta={"served_model_name": name})]
+        consumers: list[Consumer] = [summary]
+        try:  # each one in the list as soon as it is open: a bad --otlp-endpoint still closes the others
+            consumers.append(PrometheusExporter(name, kv_cache_metrics=args.kv_cache_metrics,
+                                                kv_cache_metrics_sample=args.kv_cache_metrics_sample))
+            consumers += open_consumers(args, model_name=name, meta={"served_model_name": name})
             error = _serve(args, sock, name, api_key, template, consumers, summary)
         finally:
             for consumer in consumers:

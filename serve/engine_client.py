@@ -235,17 +235,19 @@ class AsyncEngine:
 
     async def submit(self, token_ids: list[int], params: SamplingParams, event: asyncio.Event, *,
                      client_id: str | None = None, trace_headers: dict[str, str] | None = None,
-                     priority: int = 0) -> RequestHandle:
+                     priority: int = 0, arrival_time: float | None = None) -> RequestHandle:
         """Queue a request; returns its handle once the engine has admitted it. From then on
         ``event`` is set whenever the handle changes. A refusal raises the engine's
-        ``RequestRejectedError`` (``QueueFullError`` when the waiting queue is full)."""
+        ``RequestRejectedError`` (``QueueFullError`` when the waiting queue is full).
+        ``arrival_time``: ``time.perf_counter()`` when the request arrived (default: when the
+        engine reads it, at its next step boundary)."""
         self._check_alive(admitting=True)
         key = next(self._keys)
         handle = RequestHandle(event)
         admitted = asyncio.get_running_loop().create_future()
         self._admissions[key] = (admitted, handle)
         try:
-            self._send(AddRequest(key, token_ids, params, client_id, dict(trace_headers or {}), priority))
+            self._send(AddRequest(key, token_ids, params, client_id, dict(trace_headers or {}), priority, arrival_time))
             await admitted  # cancelled (the client left) before admission: aborted once admitted
         except asyncio.CancelledError:
             if admitted.done() and not admitted.cancelled() and admitted.exception() is None:

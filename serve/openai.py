@@ -178,32 +178,38 @@ class OpenAIServing:
             raise APIError(400, message, message.split("=", 1)[0] if "=" in message else None) from None
 
     async def _submit(self, prompts: list[list[int]], params: list[SamplingParams], response_id: str,
-                      trace_headers: dict[str, str], event: asyncio.Event, priority: int) -> list[_Choice]:
-        """One engine request per prompt, all waking ``event``; if any is refused, those already
-        admitted are aborted."""
-        choices: list[_Choice] = []
-        try:
-            for i, (token_ids, sp) in enumerate(zip(prompts, params)):
-                client_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-                handle = await self.engine.submit(token_ids, sp, event, client_id=client_id,
-                                                  trace_headers=trace_headers, priority=priority)
-                choices.append(_Choice(i, handle, token_ids, IncrementalDetokenizer(self.tokenizer, sp)))
-        except BaseException as exc:
-            for choice in choices:
-                self.engine.release(choice.handle)
+                      trace_headers: dict[str, str], event: asyncio.Event, priority: int,
+                      arrival: float) -> list[_Choice]:
+        """One engine request per prompt, all waking ``event`` and all sent before the first answer
+        (the engine admits between steps: one at a time would take a step each); if any is refused,
+        those admitted are aborted. ``arrival``: when the server received the request, vLLM's
+        arrival time, from which TTFT and end-to-end latency count."""
+        submits = [self.engine.submit(token_ids, sp, event, priority=priority, trace_headers=trace_headers,
+                                      client_id=response_id if len(prompts) == 1 else f"{response_id}-{i}",
+                                      arrival_time=arrival)
+                   for i, (token_ids, sp) in enumerate(zip(prompts, params))]
+        results = await asyncio.gather(*submits, return_exceptions=True)
+        handles = [r for r in results if isinstance(r, RequestHandle)]
+        refused = [r for r in results if not isinstance(r, RequestHandle)]
+        if refused:
+            for handle in handles:
+                self.engine.release(handle)
+            exc = refused[0]
             if isinstance(exc, QueueFullError):
                 raise APIError(503, str(exc), None, {"Retry-After": str(RETRY_AFTER_S)}) from None
             if isinstance(exc, RequestRejectedError):
                 raise APIError(400, str(exc), exc.param) from None
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, "the engine has stopped; this server serves nothing more") from None
-            raise
-        return choices
+            raise exc
+        return [_Choice(i, handle, token_ids, IncrementalDetokenizer(self.tokenizer, sp))
+                for i, (handle, token_ids, sp) in enumerate(zip(handles, prompts, params))]
 
     # --- endpoints --------------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest, request_id: str | None,
                           trace_headers: dict[str, str]) -> JSONResponse | Response:
+        arrival = time.perf_counter()
         self.check_model(req.model)
         req.check_supported()
         prompts = [self.tokenize(p, req.add_special_tokens) if isinstance(p, str) else list(p) for p in req.prompts()]
@@ -212,7 +218,7 @@ class OpenAIServing:
         params = [self._params(req, len(p), req.max_tokens, "max_tokens") for p in prompts]
         response_id = f"cmpl-{request_id or req.request_id or _random_id()}"
         event = asyncio.Event()
-        choices = await self._submit(prompts, params, response_id, trace_headers, event, req.priority)
+        choices = await self._submit(prompts, params, response_id, trace_headers, event, req.priority, arrival)
         writer = _Chunks(response_id, "text_completion", self.model.name)
         if req.stream:
             return _EventStream(self.engine, choices, event, writer, req, chat=False)
@@ -231,6 +237,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, request_id: str | None,
                    trace_headers: dict[str, str]) -> JSONResponse | Response:
+        arrival = time.perf_counter()
         self.check_model(req.model)
         req.check_supported()
         token_ids = self.chat_prompt(req)
@@ -239,7 +246,8 @@ class OpenAIServing:
         params = self._params(req, len(token_ids), requested, field_name)
         response_id = f"chatcmpl-{request_id or req.request_id or _random_id()}"
         event = asyncio.Event()
-        choices = await self._submit([token_ids], [params], response_id, trace_headers, event, req.priority)
+        choices = await self._submit([token_ids], [params], response_id, trace_headers, event, req.priority,
+                                     arrival)
         writer = _Chunks(response_id, "chat.completion.chunk", self.model.name)
         if req.stream:
             return _EventStream(self.engine, choices, event, writer, req, chat=True)

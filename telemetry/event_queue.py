@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Callable
 
@@ -24,9 +23,18 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAXSIZE = 65536
 
-# Every live queue, so the Prometheus exporter can report drops and handler errors of all
-# consumers in the process, not only its own.
-_live_queues: weakref.WeakSet[EventQueue] = weakref.WeakSet()
+# Per consumer name, the drops and handler errors of every queue of the process's life, so that the
+# Prometheus exporter reports all consumers, not only its own, as counters that never go down (a
+# sum over the live queues fell when a closed one was collected: a false counter reset).
+_totals: dict[str, list[int]] = {}
+_totals_lock = threading.Lock()
+
+
+def _count(name: str, dropped: int = 0, errors: int = 0) -> None:
+    with _totals_lock:
+        totals = _totals.setdefault(name, [0, 0])
+        totals[0] += dropped
+        totals[1] += errors
 
 
 class _Stop:
@@ -77,7 +85,7 @@ class EventQueue:
         self._unsubscribe: Callable[[], None] | None = None
         self._worker = threading.Thread(target=self._run, name=f"glassbox-{name}", daemon=True)
         self._worker.start()
-        _live_queues.add(self)
+        _count(name)  # the consumer's series exist, at 0, from its start
 
     def put_batch(self, events: list[Event]) -> None:
         """The bus callback: never blocks the engine. A full queue (``maxsize`` events waiting)
@@ -88,6 +96,7 @@ class EventQueue:
             self._queue.put_nowait(events)
         except queue.Full:
             self.dropped += len(events)
+            _count(self.name, dropped=len(events))
 
     def put(self, event: Event) -> None:
         """Queue one event, as a batch of one."""
@@ -145,6 +154,7 @@ class EventQueue:
                     self._handler(event)
                 except Exception:
                     self.handler_errors += 1
+                    _count(self.name, errors=1)
                     # The first traceback explains the bug; repeating it per event would flood the log.
                     if self.handler_errors == 1:
                         logger.exception("%s: handler raised on %s; later errors are only counted", self.name, event.kind)
@@ -154,12 +164,9 @@ class EventQueue:
 
 
 def queue_stats() -> dict[str, tuple[int, int]]:
-    """``{consumer name: (dropped, handler_errors)}`` over live queues, summed per name."""
-    stats: dict[str, tuple[int, int]] = {}
-    for q in list(_live_queues):
-        dropped, errors = stats.get(q.name, (0, 0))
-        stats[q.name] = (dropped + q.dropped, errors + q.handler_errors)
-    return stats
+    """``{consumer name: (dropped, handler_errors)}`` over every queue this process has made."""
+    with _totals_lock:
+        return {name: (dropped, errors) for name, (dropped, errors) in _totals.items()}
 
 
 class Consumer:

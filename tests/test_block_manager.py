@@ -83,6 +83,22 @@ def test_identical_prompts_admitted_together_do_not_dedupe():
     engine.run()
 
 
+def test_a_twins_blocks_after_the_shared_ones_are_stored_as_a_chain_from_their_parent():
+    # Together: b's first block twins a's (private), its second is new; every block_stored's hashes
+    # chain from its parent_hash (what a consumer of vLLM's KV events relies on).
+    engine = FakeEngine()
+    a = engine.add(prompt(BS) + prompt(BS + 2, salt=1), max_tokens=1)
+    b = engine.add(prompt(BS) + prompt(BS + 2, salt=2), max_tokens=1)
+    engine.step()
+    stored = {e.request_id: e for e in engine.of_kind("block_stored")}
+    first = BlockManager.compute_hash(prompt(BS))
+    assert stored[a.seq_id].hashes[0] == first and stored[a.seq_id].parent_hash == -1
+    assert stored[b.seq_id].block_ids == alloc_of(engine, b)[1:2]
+    assert stored[b.seq_id].parent_hash == first
+    assert stored[b.seq_id].hashes == (BlockManager.compute_hash(prompt(BS + 2, salt=2)[:BS], first),)
+    engine.run()
+
+
 def test_hash_collision_is_caught_by_stored_tokens():
     engine = FakeEngine()
     engine.add(prompt(2 * BS + 1), max_tokens=1)

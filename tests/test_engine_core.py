@@ -48,7 +48,7 @@ def test_a_request_whose_client_left_before_admission_is_aborted(tiny_checkpoint
     assert sorted(finished) == ["abort", "length"]  # the one that left was admitted, then aborted
 
 
-def test_a_request_that_cannot_be_sent_leaves_nothing_behind_and_close_releases_the_process(tiny_checkpoint):
+def test_a_request_that_cannot_be_sent_leaves_nothing_behind_one_sent_keeps_its_arrival_and_close_releases_the_process(tiny_checkpoint):
     async def run() -> AsyncEngine:
         engine = AsyncEngine(str(tiny_checkpoint), ENGINE, torch_threads=1)
         await engine.start()
@@ -57,11 +57,15 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind_and_close_releases_
             with pytest.raises(OverflowError):  # past msgpack's 64 bits (the server refuses it with a 400 first)
                 await engine.submit([1, 2, 3], SamplingParams(max_tokens=2, stop_token_ids=[2**64]), event)
             assert not engine._admissions  # nothing waits for an answer that can never come
-            handle = await engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=2), event)
+            arrived = []
+            engine.events.subscribe(lambda e: arrived.append(e.arrival) if e.kind == "request_arrived" else None)
+            received = time.perf_counter() - 5.0  # the server's clock, when the request came in
+            handle = await engine.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=2), event,
+                                         arrival_time=received)
             while handle.finish_reason is None:
                 await event.wait()
                 event.clear()
-            assert handle.finish_reason == "length"
+            assert handle.finish_reason == "length" and arrived == [received]  # TTFT counts from there
         finally:
             await engine.close()
         return engine
@@ -91,7 +95,8 @@ def test_a_killed_engine_process_ends_the_streams_with_an_error_and_the_server_w
     assert lines[-1] == "data: [DONE]"
     body = json.loads(lines[-2][6:])
     assert body["error"]["code"] == 500 and "killed by signal 9" in body["error"]["message"]
-    assert not process.is_alive()
+    with pytest.raises(ValueError, match="closed"):  # reaped and closed with the server (a live one cannot be)
+        process.is_alive()
 
 
 def test_a_request_the_engine_failed_carries_the_engines_own_error():

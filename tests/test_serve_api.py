@@ -110,6 +110,21 @@ def test_chat_renders_the_template(client, reference):
     assert parts.choices[0].message.content == out.choices[0].message.content
 
 
+def test_a_requests_prompts_arrive_together_when_the_server_received_it(server):
+    arrivals = []
+    unsubscribe = server.events.subscribe(
+        lambda e: arrivals.append(e.arrival) if e.kind == "request_arrived" else None)
+    try:
+        sent = time.perf_counter()
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+        done = time.perf_counter()
+    finally:
+        unsubscribe()
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
+    # vLLM's arrival time (TTFT and e2e count from it), not the engine's step boundary that read each.
+    assert len(arrivals) == 3 and len(set(arrivals)) == 1 and sent <= arrivals[0] <= done
+
+
 def test_stop_string_ends_the_text_before_it(client, reference):
     ids = greedy_ids(reference, PROMPT, 24)
     pieces = [reference.tokenizer.decode([t], skip_special_tokens=True) for t in ids]

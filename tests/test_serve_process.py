@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -52,6 +53,16 @@ def test_usage_errors_are_one_line_before_anything_loads(tiny_checkpoint, tmp_pa
     assert missing.returncode == 2 and "--chat-template" in missing.stderr and "cannot be read" in missing.stderr
     size = serve("--max-request-bytes", "0")
     assert size.returncode == 2 and "--max-request-bytes must be positive" in size.stderr
+
+
+def test_a_bad_telemetry_option_closes_the_consumers_opened_before_it(tiny_checkpoint):
+    from serve.__main__ import main
+
+    before = {thread.name for thread in threading.enumerate()}
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", str(tiny_checkpoint), "--port", "0", "--otlp-endpoint", "ftp://nowhere"])
+    assert exited.value.code == 2
+    assert {thread.name for thread in threading.enumerate()} <= before  # the summary's, the exporter's
 
 
 def test_an_engine_that_cannot_be_built_is_one_line_too(tiny_checkpoint, tmp_path):

@@ -1,3 +1,4 @@
+import gc
 import threading
 import time
 
@@ -43,6 +44,28 @@ def test_a_full_queue_drops_and_counts_without_blocking():
     gate.set()
     q.close()
     assert queue_stats()["full"] == (6, 0)
+
+
+def test_drop_counts_per_consumer_never_go_down_when_a_queue_is_closed_and_collected():
+    # glassbox:dropped_events is a Prometheus counter: a fall reads as a reset.
+    gate, held = threading.Event(), threading.Semaphore(0)
+
+    def handler(e):
+        held.release()
+        gate.wait()
+
+    queues = [EventQueue(handler, "comes-and-goes", maxsize=1) for _ in range(2)]
+    for q in queues:
+        q.put(_event(0))
+        assert held.acquire(timeout=5)  # the worker holds it: the queue is empty
+        q.put_batch([_event(1), _event(2)])  # fits (a batch may overshoot the bound)...
+        q.put_batch([_event(3), _event(4)])  # ...and this one does not
+    assert queue_stats()["comes-and-goes"] == (4, 0)
+    gate.set()
+    queues.pop().close()
+    gc.collect()
+    assert queue_stats()["comes-and-goes"] == (4, 0)
+    queues.pop().close()
 
 
 def test_the_bound_counts_events_and_a_batch_that_does_not_fit_is_dropped_whole():
