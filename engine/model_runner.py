@@ -292,12 +292,10 @@ class ModelRunner:
         if config.enable_cpu_offload:
             # The ring keeps each layer's K and V of a block side by side, as the host pool does, so
             # that one copy moves a layer of a run of blocks.
-            self.kv_cache = torch.empty(mc.num_hidden_layers, config.num_kvcache_blocks, 2, *block, dtype=self.dtype,
-                                        device=self.device)
+            self.kv_cache = self._pool((mc.num_hidden_layers, config.num_kvcache_blocks, 2, *block))
             caches = [(self.kv_cache[i, :, 0], self.kv_cache[i, :, 1]) for i in range(mc.num_hidden_layers)]
         else:
-            self.kv_cache = torch.empty(2, mc.num_hidden_layers, config.num_kvcache_blocks, *block, dtype=self.dtype,
-                                        device=self.device)
+            self.kv_cache = self._pool((2, mc.num_hidden_layers, config.num_kvcache_blocks, *block))
             caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(attention_layers(self.model), caches)):
             layer.k_cache, layer.v_cache, layer.layer_index = k_cache, v_cache, i
@@ -333,6 +331,21 @@ class ModelRunner:
         config.max_num_batched_tokens = chunk_limit(config.num_kvcache_blocks, self.block_size,
                                                     config.max_num_batched_tokens)
         return ring
+
+    def _pool(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The KV pool; one that cannot be had is a usage error naming its size (on the CPU, one past
+        physical memory is refused first: such an allocation succeeds, and fails only when touched)."""
+        blocks = self.config.num_kvcache_blocks
+        what = f"the KV pool ({blocks} blocks, {blocks * self.block_bytes / 2**30:.1f} GiB)"
+        fix = "give it fewer blocks (num_kvcache_blocks, --num-blocks)"
+        if self.device.type == "cpu":
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if blocks * self.block_bytes > physical:
+                raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
+        try:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            raise ConfigError(f"{what} could not be allocated ({str(exc).splitlines()[0]}): {fix}") from exc
 
     def _allocate_host_tier(self) -> OffloadingHandler:
         config = self.config

@@ -87,6 +87,28 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     parser.set_defaults(**defaults)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a lab's sizes and counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _count_or_none(text: str) -> int | None:
     if text.lower() == "none":
         return None

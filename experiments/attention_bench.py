@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--run-shapes", action="store_true", help="time decode on the yardstick's shapes only")
     parser.add_argument("--prefill-only", action="store_true", help="time prefill only (with --sweep: its tiles)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("attention_bench times the GPU's attention kernels: it needs CUDA")
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()

@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # `python experiments/chunked_prefill.py` from a 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from engine.events import PrefixHit, Tokens  # noqa: E402
+from engine.options import positive_int  # noqa: E402
 from experiments import common  # noqa: E402
 
 LAB = "chunked_prefill"
@@ -37,10 +38,10 @@ def workload(vocab_size: int, seed: int, long_len: int) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(LAB, __doc__, **ENGINE_DEFAULTS)
-    parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], metavar="N,N,...",
+    parser.add_argument("--budgets", type=lambda s: [positive_int(x) for x in s.split(",")], metavar="N,N,...",
                         help="token budgets to try besides unlimited (default: 32,64,128,256; without --quick "
                              "128,256,512,1024)")
-    parser.add_argument("--prompt-len", type=int, help="the long prompt (default: 485; without --quick 1925)")
+    parser.add_argument("--prompt-len", type=positive_int, help="the long prompt (default: 485; without --quick 1925)")
     args = common.parse_args(parser, argv)
     budgets = args.budgets or ([32, 64, 128, 256] if args.quick else [128, 256, 512, 1024])
     long_len = args.prompt_len or (485 if args.quick else 1925)
@@ -107,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    common.run_main(main)

@@ -16,11 +16,12 @@ import argparse
 import csv
 import json
 import random
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 # Figures are built without pyplot: no global backend, no window, and savefig draws PNGs with Agg.
@@ -46,7 +47,7 @@ from engine.events import (
 )
 from engine.live import run_virtual
 from engine.llm_engine import LLM
-from engine.options import add_engine_args, build_llm, parse_checked, reported_errors
+from engine.options import OptionError, add_engine_args, build_llm, parse_checked, reported_errors
 from engine.sampling_params import SamplingParams
 from engine.workloads import Request
 from telemetry.recorder import EventRecorder, read_recording
@@ -86,8 +87,25 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
         torch.set_num_threads(1)
     if args.out is None:
         args.out = RESULTS_ROOT / args.lab / time.strftime("%Y%m%d-%H%M%S")
-    args.out.mkdir(parents=True, exist_ok=True)
+    with reported_errors(args):
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OptionError(f"--out {args.out}: cannot make the results folder ({exc.strerror})") from exc
     return args
+
+
+def run_main(main: Callable[[], int]) -> NoReturn:
+    """A lab's ``__main__``: its exit status. What the options make impossible, found only while the
+    lab runs (a request its sizes cannot serve), is one ``error:`` line and status 2, and Ctrl-C one
+    line and status 130, rather than a traceback (``--debug`` shows the usage error's)."""
+    try:
+        with reported_errors(argparse.Namespace(debug="--debug" in sys.argv[1:])):
+            status = main()
+    except KeyboardInterrupt:
+        print("interrupted: the results folder keeps what was written so far", file=sys.stderr)
+        status = 130
+    raise SystemExit(status)
 
 
 def build_engine(args: argparse.Namespace, **overrides: Any) -> LLM:
@@ -147,7 +165,8 @@ def run_recorded(llm: LLM, requests: Sequence[Request], out: Path, name: str, ma
     rec = load_recording(path, name)
     rejected = [e.reason for e in rec.events if type(e) is RequestRejected]
     if rejected:
-        raise RuntimeError(f"run {name!r}: the engine refused {len(rejected)} request(s): {rejected[0]}")
+        raise OptionError(f"run {name!r}: the engine refused {len(rejected)} of the lab's requests ({rejected[0]}); "
+                          "give the lab smaller sizes or the engine more room")
     return rec
 
 

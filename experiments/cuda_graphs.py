@@ -26,9 +26,10 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from engine.events import CudaGraphCapture, CudaGraphReplay, Step, Tokens  # noqa: E402
+from engine.options import positive_int  # noqa: E402
 from experiments.common import (  # noqa: E402
     Check, Recording, build_engine, make_parser, new_figure, parse_args, random_prompt, report, request,
-    run_recorded,
+    run_main, run_recorded,
 )
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("cuda_graphs", __doc__, quick_help=f"CI size on the GPU: the tiny preset (unless --model is "
                          f"given) and {QUICK_REQUESTS} requests, seconds; CUDA graphs have no CPU run",
                          quick_on_cpu=False, preset="qwen3-0.6b", max_num_seqs=64, max_model_len=2048)
-    parser.add_argument("--num-requests", type=int, default=64, help="default: %(default)s")
+    parser.add_argument("--num-requests", type=positive_int, default=64, help="default: %(default)s")
     args = parse_args(parser, argv)
     if not torch.cuda.is_available() or args.device == "cpu":
         print("error: cuda_graphs.py needs a CUDA device: CUDA graphs only exist on the GPU.", file=sys.stderr)
@@ -133,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

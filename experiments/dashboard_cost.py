@@ -29,6 +29,8 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # runnable as a script from a checkout
 
 from engine.events import Step, Tokens  # noqa: E402
+from engine.options import PRESETS, positive_float, positive_int  # noqa: E402
+from engine.workloads import WORKLOADS  # noqa: E402
 from telemetry.recorder import read_recording  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,8 +80,8 @@ def run_headless(args: argparse.Namespace, record: Path, log: Path) -> None:
     cmd = [sys.executable, "-m", "telemetry", *engine_args(args, record), "--interval", "3600"]
     with log.open("w") as out:
         done = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=args.seconds + GRACE_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"the headless run failed (exit {done.returncode}); see {log}")
+    if done.returncode != 0:  # its log goes with the temporary folder: its end is said here
+        raise RuntimeError(f"the headless run failed (exit {done.returncode}):\n{_tail(log)}")
 
 
 def run_dashboard(args: argparse.Namespace, record: Path, log: Path, name: str) -> None:
@@ -102,7 +104,11 @@ def run_dashboard(args: argparse.Namespace, record: Path, log: Path, name: str) 
             subprocess.run([*tmux, "kill-server"], capture_output=True)
     rc = rc_file.read_text().strip() if rc_file.exists() else "?"
     if rc != "0":
-        raise RuntimeError(f"the dashboard failed (exit {rc}); see {log}")
+        raise RuntimeError(f"the dashboard failed (exit {rc}):\n{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no log)"
 
 
 def _quote(text: str) -> str:
@@ -111,12 +117,12 @@ def _quote(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python experiments/dashboard_cost.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long each arm runs (default: %(default)s)")
-    parser.add_argument("--runs", type=int, default=3, help="alternating runs of each arm (default: %(default)s)")
-    parser.add_argument("--preset", default="tiny", help="the checkpoint preset both arms serve (default: %(default)s)")
-    parser.add_argument("--workload", default="bench", help="a saturating workload (default: %(default)s)")
-    parser.add_argument("--rate", type=float, help="arrivals per second (default: the workload's own)")
-    parser.add_argument("--max-waiting-requests", type=int, default=64,
+    parser.add_argument("--seconds", type=positive_float, default=20.0, help="how long each arm runs (default: %(default)s)")
+    parser.add_argument("--runs", type=positive_int, default=3, help="alternating runs of each arm (default: %(default)s)")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="the checkpoint preset both arms serve (default: %(default)s)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="bench", help="a saturating workload (default: %(default)s)")
+    parser.add_argument("--rate", type=positive_float, help="arrivals per second (default: the workload's own)")
+    parser.add_argument("--max-waiting-requests", type=positive_int, default=64,
                         help="the waiting queue's bound in both arms (default: %(default)s)")
     parser.add_argument("--threshold", type=float, default=0.9,
                         help="the dashboard's tok/s must be at least this share of headless (default: %(default)s)")

@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every tile candidate of each product")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("gemm_bench needs a CUDA GPU")
+        parser.error("gemm_bench times the GPU's matrix products: it needs CUDA")
     config = PRESETS[args.preset]
     copy_bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s; "

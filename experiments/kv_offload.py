@@ -24,7 +24,9 @@ if __package__ in (None, ""):  # `python experiments/kv_offload.py` from a plain
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from engine.events import HostHit, KVTransfer, Preempt, RequestArrived, Step, SwapIn, Tokens  # noqa: E402
+from engine.options import OptionError, positive_int  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import RequestRejectedError  # noqa: E402
 from experiments import common  # noqa: E402
 from telemetry.recorder import EventRecorder  # noqa: E402
 
@@ -48,6 +50,9 @@ def run_chat(llm, turns: list[list[list[int]]], answer_tokens: int, out: Path, n
             for c, new in enumerate(new_tokens):
                 prompt = history[c] + new
                 history[c] = prompt + llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"]
+    except RequestRejectedError as exc:  # the lab's sizes, not a bug
+        raise OptionError(f"run {name!r}: the engine refused a turn ({exc}); give the lab fewer or shorter turns "
+                          "or the engine more room") from exc
     finally:
         recorder.close()
     if recorder.dropped:
@@ -117,10 +122,10 @@ def preempt_row(rec: common.Recording) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(LAB, __doc__, **ENGINE_DEFAULTS)
-    parser.add_argument("--conversations", type=int, help="default: 4; without --quick 8")
-    parser.add_argument("--turns", type=int, help="default: 3; without --quick 4")
-    parser.add_argument("--turn-tokens", type=int, help="new prompt tokens per turn (default: 40; without --quick 512)")
-    parser.add_argument("--answer-tokens", type=int, help="default: 16; without --quick 64")
+    parser.add_argument("--conversations", type=positive_int, help="default: 4; without --quick 8")
+    parser.add_argument("--turns", type=positive_int, help="default: 3; without --quick 4")
+    parser.add_argument("--turn-tokens", type=positive_int, help="new prompt tokens per turn (default: 40; without --quick 512)")
+    parser.add_argument("--answer-tokens", type=positive_int, help="default: 16; without --quick 64")
     args = common.parse_args(parser, argv)
     conversations = args.conversations or (4 if args.quick else 8)
     num_turns = args.turns or (3 if args.quick else 4)
@@ -250,4 +255,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    common.run_main(main)

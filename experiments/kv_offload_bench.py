@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from engine.host_tier import TransferSpec  # noqa: E402
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks  # noqa: E402
-from engine.options import add_engine_args, build_llm, model_dir, parse_checked, reported_errors  # noqa: E402
+from engine.options import OptionError, add_engine_args, build_llm, model_dir, parse_checked, reported_errors  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels.kv_blocks import block_shape, gather_blocks, scatter_blocks  # noqa: E402
 from models.config import load_qwen3_config  # noqa: E402
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := parts - set(PARTS):
         parser.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     with reported_errors(args):
+        if _device(args).type == "cpu" and args.device != "cpu":
+            raise OptionError("kv_offload_bench measures the GPU's host tier and no CUDA device is here; "
+                              "--device cpu --preset tiny runs it small, to check the script")
         results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         if "kernels" in parts:
             progress("kernels")

@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # `python experiments/long_context.py` from a pla
 import torch  # noqa: E402
 
 from engine.events import RingStep, RingTransfer, Schedule, Tokens  # noqa: E402
+from engine.options import positive_int  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import RequestRejectedError  # noqa: E402
 from experiments import common  # noqa: E402
@@ -86,10 +87,10 @@ def moved_what_it_needed(rec: common.Recording) -> tuple[int, int]:
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.make_parser(LAB, __doc__, **ENGINE_DEFAULTS)
-    parser.add_argument("--ring-slots", type=int, help="the GPU ring (the ordinary engine's pool in the refused arm); "
+    parser.add_argument("--ring-slots", type=positive_int, help="the GPU ring (the ordinary engine's pool in the refused arm); "
                                                        "default: 6; without --quick 8")
-    parser.add_argument("--prompt-tokens", type=int, help="default: four rings' worth")
-    parser.add_argument("--max-tokens", type=int, help="tokens decoded (default: 8; without --quick 16)")
+    parser.add_argument("--prompt-tokens", type=positive_int, help="default: four rings' worth")
+    parser.add_argument("--max-tokens", type=positive_int, help="tokens decoded (default: 8; without --quick 16)")
     seen, _ = parser.parse_known_args(argv)
     if not seen.quick and seen.device != "cpu" and torch.cuda.is_available():
         # Full size on a GPU: the tiny model computes too little to hide its copies behind (on an
@@ -180,4 +181,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    common.run_main(main)

@@ -19,6 +19,7 @@ if __package__ in (None, ""):  # `python experiments/preemption.py` from a plain
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from engine.events import Preempt, Schedule  # noqa: E402
+from engine.options import positive_float, positive_int  # noqa: E402
 from experiments import common  # noqa: E402
 
 LAB = "preemption"
@@ -27,10 +28,10 @@ ENGINE_DEFAULTS = dict(block_size=16, max_num_seqs=16, max_num_batched_tokens=40
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(LAB, __doc__, **ENGINE_DEFAULTS)
-    parser.add_argument("--num-requests", type=int, help="default: 8; without --quick 32")
-    parser.add_argument("--prompt-len", type=int, help="default: 24; without --quick 200")
-    parser.add_argument("--max-tokens", type=int, help="default: 64; without --quick 512")
-    parser.add_argument("--pool-fraction", type=float, default=0.4,
+    parser.add_argument("--num-requests", type=positive_int, help="default: 8; without --quick 32")
+    parser.add_argument("--prompt-len", type=positive_int, help="default: 24; without --quick 200")
+    parser.add_argument("--max-tokens", type=positive_int, help="default: 64; without --quick 512")
+    parser.add_argument("--pool-fraction", type=positive_float, default=0.4,
                         help="unless --num-blocks is given, the pool holds this fraction of the blocks the "
                              "requests would hold at their longest, all together (default: %(default)s)")
     args = common.parse_args(parser, argv)
@@ -114,4 +115,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    common.run_main(main)

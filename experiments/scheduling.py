@@ -307,4 +307,4 @@ def plot(rows: list[dict], recordings: list[common.Recording], workloads: list[s
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    common.run_main(main)

@@ -315,11 +315,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="storage dtype (default: the preset's, bfloat16)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     args = parser.parse_args(argv)
+    if args.max_shard_bytes < 1:
+        parser.error(f"--max-shard-bytes must be positive, got {args.max_shard_bytes}")
     try:
         path = make_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype,
                                max_shard_bytes=args.max_shard_bytes)
     except FileExistsError as exc:
         parser.error(str(exc))
+    except OSError as exc:  # a parent that cannot be written, a full disk: nothing half-made is left
+        parser.error(f"--out {args.out}: {exc.strerror or exc}")
     print(path)
     return 0
 

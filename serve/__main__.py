@@ -38,7 +38,7 @@ from serve.engine_client import AsyncEngine
 from serve.server import Server
 from telemetry.event_queue import Consumer
 from telemetry.metrics_server import listen
-from telemetry.options import add_telemetry_args, open_consumers
+from telemetry.options import add_telemetry_args, open_consumers, port_number
 from telemetry.prometheus import PrometheusExporter
 from telemetry.summary import RunSummary
 
@@ -55,7 +55,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_telemetry_args(parser, metrics_port=False)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    g.add_argument("--port", type=int, default=8000, help="port for the API, /metrics and /v1/events")
+    g.add_argument("--port", type=port_number, default=8000, help="port for the API, /metrics and /v1/events")
     g.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API and the model_name label of every metric "
                         "(default: the checkpoint directory's name, or the preset's)")
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             sock.close()
     for line in summary.lines(consumers):
         print(line)
+    if error is not None:  # the streams it ended said so; the terminal hears it too
+        print(f"error: the engine stopped: {error}", file=sys.stderr)
     return 0 if error is None else 1
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.events import EngineStarted, Event, Preempt, PrefixHit, RequestFinished, Step, Tokens
+from engine.events import EngineStarted, Event, Preempt, PrefixHit, RequestFinished, RequestRejected, Step, Tokens
 from engine.live import LiveEngine
 from engine.options import (
     LIVE_DEFAULTS,
@@ -50,6 +50,9 @@ class StatusCounter:
     free_blocks: int = 0
     num_blocks: int = 1
     finished: int = 0
+    rejected: int = 0
+    # The first refusal's reason, shown once: a run whose every request is refused says why at once.
+    rejection: str | None = None
 
     def __call__(self, event: Event) -> None:
         handler = _STATUS_HANDLERS.get(type(event))
@@ -73,6 +76,11 @@ class StatusCounter:
     def _on_finished(self, e: RequestFinished) -> None:
         self.finished += 1
 
+    def _on_rejected(self, e: RequestRejected) -> None:
+        self.rejected += 1
+        if self.rejected == 1:
+            self.rejection = e.reason
+
     def _on_engine_started(self, e: EngineStarted) -> None:
         self.num_blocks = self.free_blocks = e.num_blocks
 
@@ -83,7 +91,10 @@ class StatusCounter:
                 f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
                 f"Running: {self.running} reqs, Waiting: {self.waiting} reqs, "
                 f"KV cache usage: {usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}, "
-                f"Preemptions: {self.preemptions}, Finished: {self.finished}")
+                f"Preemptions: {self.preemptions}, Finished: {self.finished}, Rejected: {self.rejected}")
+        if self.rejection is not None:
+            text += f" (the first: {self.rejection})"
+            self.rejection = None
         self.prompt_tokens = self.generation_tokens = self.queried = self.hits = 0
         return text
 
@@ -93,6 +104,7 @@ _STATUS_HANDLERS: dict[type[Event], Callable[[StatusCounter, Any], None]] = {
     Tokens: StatusCounter._on_tokens,
     PrefixHit: StatusCounter._on_prefix_hit,
     Preempt: StatusCounter._on_preempt,
+    RequestRejected: StatusCounter._on_rejected,
     RequestFinished: StatusCounter._on_finished,
     EngineStarted: StatusCounter._on_engine_started,
 }
@@ -129,9 +141,14 @@ def _serve(args: argparse.Namespace, consumers: list[Consumer], summary: RunSumm
         summary.mark_stopping()
         stop.set()
 
+    signal.signal(signal.SIGTERM, _interrupt)  # while the model loads, SIGTERM ends the run as Ctrl-C does
+    try:
+        llm = build_llm(args)
+    except KeyboardInterrupt:
+        log.info("interrupted while the engine was being built")
+        return None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, halt)
-    llm = build_llm(args)
     for consumer in consumers:
         consumer.attach(llm.events)
         if getattr(consumer, "url", None):
@@ -153,6 +170,10 @@ def _serve(args: argparse.Namespace, consumers: list[Consumer], summary: RunSumm
     if live.error is not None:
         log.error("engine error: %s", live.error)
     return live.error
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

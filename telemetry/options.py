@@ -11,12 +11,34 @@ from engine.options import option_error
 from telemetry.event_queue import Consumer
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (pick a free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535 (0 picks a free one), got {text!r}")
+    return value
+
+
+def sample_fraction(text: str) -> float:
+    """An argparse type: a share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def add_telemetry_args(parser: argparse.ArgumentParser, metrics_port: bool = True) -> None:
     """``metrics_port=False`` leaves out ``--metrics-port``/``--metrics-host`` (the server has
     ``/metrics`` on its own port)."""
     g = parser.add_argument_group("telemetry")
     if metrics_port:
-        g.add_argument("--metrics-port", type=int, metavar="PORT",
+        g.add_argument("--metrics-port", type=port_number, metavar="PORT",
                        help="serve Prometheus /metrics on 127.0.0.1:PORT (0 picks a free port)")
         g.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default: %(default)s)")
     g.add_argument("--otlp-endpoint", metavar="URL",
@@ -25,7 +47,7 @@ def add_telemetry_args(parser: argparse.ArgumentParser, metrics_port: bool = Tru
     g.add_argument("--record", type=Path, metavar="FILE", help="write every event as JSON lines (.gz to compress)")
     g.add_argument("--kv-cache-metrics", action="store_true",
                    help="export vLLM's KV block residency histograms (lifetime, idle before eviction, reuse gaps)")
-    g.add_argument("--kv-cache-metrics-sample", type=float, default=0.01, metavar="FRACTION",
+    g.add_argument("--kv-cache-metrics-sample", type=sample_fraction, default=0.01, metavar="FRACTION",
                    help="the share of block allocations whose lives are followed (default: %(default)s)")
 
 

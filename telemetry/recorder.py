@@ -3,7 +3,9 @@
 A recording is one header line (schema version, the engine configuration from ``engine_started``,
 the caller's ``meta``) followed by every event as one JSON object with a ``seq`` number. A ``.gz``
 path is gzipped. The header waits for ``engine_started`` (only start-up events such as the
-CUDA-graph capture come before it), so the file opens, and fails, in the constructor.
+CUDA-graph capture come before it). The constructor checks that the path can be written; the file
+is created with the header, so a run that fails before its first event leaves an earlier recording
+at that path as it was.
 
 Reading is forgiving of damage and precise about it: the events before a bad line (a run killed
 mid-write, a hand edit, an older schema) are all delivered, then a :class:`RecordingError` names
@@ -115,9 +117,14 @@ class EventRecorder(Consumer):
         self.meta = dict(meta or {})
         json.dumps(self.meta)  # a meta that cannot be written should fail now, not at engine start
         try:
-            self._file = _create(self.path)
+            existed = self.path.exists()
+            with open(self.path, "ab"):  # writable? (appending nothing leaves an existing file as it is)
+                pass
+            if not existed:
+                self.path.unlink()
         except OSError as exc:
             raise OSError(exc.errno, f"cannot write recording to {str(self.path)!r}: {exc.strerror}") from exc
+        self._file: IO[str] | None = None  # made with the header
         self._created = time.time()
         self._pending: list[Event] | None = []  # None once the header is written
         self._seq = 0
@@ -140,19 +147,22 @@ class EventRecorder(Consumer):
             self._pending.append(event)
 
     def _write_header(self, started: EngineStarted | None) -> None:
+        self._file = _create(self.path)
         self._file.write(json.dumps(header_record(started, self._created, self.meta)) + "\n")
 
     def _write_event(self, event: Event) -> None:
+        assert self._file is not None
         self._file.write(event_record(self._seq, event) + "\n")
         self._seq += 1
 
     def _shutdown(self) -> None:
-        if self._pending is not None:
+        if self._pending:  # the engine never started, but something happened: a recording without its config
             pending, self._pending = self._pending, None
             self._write_header(None)
             for held in pending:
                 self._write_event(held)
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_recording(path: str | Path) -> tuple[RecordingHeader, Iterator[Event]]:

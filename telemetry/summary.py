@@ -56,8 +56,9 @@ class RunSummary(Consumer):
         super().__init__()
 
     def mark_stopping(self) -> None:
-        """Call just before stopping the engine: aborts from then on are the shutdown's."""
-        if self.stopping is None:
+        """Call just before stopping the engine: aborts from then on are the shutdown's (an engine
+        that never started has no run to time)."""
+        if self.stopping is None and self.started is not None:
             self.stopping = time.perf_counter()
 
     def handle(self, event: Event) -> None:
@@ -111,7 +112,8 @@ class RunSummary(Consumer):
                          f"{self.moved['CPU_to_GPU'] / 2**20:,.1f} MiB loaded")
         for consumer in consumers:
             if isinstance(consumer, EventRecorder):
-                lines.append(f"  recording  {consumer.path}: {consumer.events_written:,} events"
+                written = f"{consumer.events_written:,} events" if consumer.events_written else "no events, not written"
+                lines.append(f"  recording  {consumer.path}: {written}"
                              + (f" ({consumer.dropped:,} dropped)" if consumer.dropped else ""))
         if self.dropped:
             lines.append(f"  (this summary missed {self.dropped:,} events: its counts are low)")

@@ -406,6 +406,12 @@ def test_a_seeded_request_samples_the_same_alone_and_among_others(tiny_checkpoin
     assert other["token_ids"] != alone["token_ids"]
 
 
+def test_a_kv_pool_larger_than_the_machine_is_a_usage_error_naming_num_blocks(tiny_checkpoint):
+    with pytest.raises(ConfigError, match=r"the KV pool \(1000000000 blocks, .* larger than this machine's memory"
+                                          r".*--num-blocks"):
+        LLM(str(tiny_checkpoint), kvcache_block_size=16, num_kvcache_blocks=10**9)
+
+
 def test_top_k_one_is_greedy(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]

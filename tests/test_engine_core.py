@@ -166,6 +166,17 @@ def test_the_engine_process_does_not_outlive_the_server_process(tiny_checkpoint,
     assert not list(tmp_path.glob("glassbox-engine-*")), "the engine left its socket directory behind"
 
 
+def test_a_server_whose_engine_was_killed_says_so_and_exits_1(tiny_checkpoint):
+    with serve_process("--model", str(tiny_checkpoint), "--device", "cpu", "--block-size", "16",
+                       "--num-blocks", "32", "--max-model-len", "256") as server:
+        (engine,) = [pid for pid in _children(server.process.pid)  # not multiprocessing's resource tracker
+                     if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(engine, signal.SIGKILL)
+        assert server.process.wait(30) == 1
+        output = server.output()
+    assert "error: the engine stopped: the engine process exited unexpectedly (killed by signal 9)" in output
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()

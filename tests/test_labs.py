@@ -145,6 +145,19 @@ def test_a_script_exits_non_zero_when_its_mechanism_is_off(tiny_checkpoint, tmp_
     assert not json.loads((tmp_path / "summary.json").read_text())["holds"]
 
 
+def test_sizes_the_engine_cannot_serve_are_one_line_and_status_2(tiny_checkpoint, tmp_path):
+    # Found only while the lab runs: the long prompt past --max-model-len; and a bad --out, before it.
+    script = REPO / "experiments" / "chunked_prefill.py"
+    base = ["--quick", "--model", str(tiny_checkpoint)]
+    for argv, message in ((["--prompt-len", "5000", "--out", str(tmp_path / "run")],
+                           "error: run 'budget-32': the engine refused 1 of the lab's requests (the prompt has 5000"),
+                          (["--out", "/proc/no-such-folder"], "error: --out /proc/no-such-folder: cannot make")):
+        result = subprocess.run([sys.executable, str(script), *base, *argv], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
+        assert "Traceback" not in result.stderr
+
+
 # --- the harness ----------------------------------------------------------------------------------
 
 def arrived(rid: int, prompt_tokens: int, max_tokens: int) -> RequestArrived:

@@ -66,6 +66,20 @@ def test_unwritable_path_fails_in_the_constructor(tmp_path):
         EventRecorder(tmp_path)
 
 
+def test_a_run_that_records_nothing_leaves_an_earlier_recording_as_it_was(tmp_path):
+    # A bad checkpoint or option ends the run before its first event: the last good recording survives.
+    path = record(tmp_path / "keep.jsonl.gz")
+    before = path.read_bytes()
+    with EventRecorder(path):
+        pass
+    assert path.read_bytes() == before
+    with EventRecorder(tmp_path / "new.jsonl"):
+        pass
+    assert not (tmp_path / "new.jsonl").exists()
+    record(path, events=EVENTS[:3])  # a run that records replaces it
+    assert [e.kind for e in read_recording(path)[1]] == [e.kind for e in EVENTS[:3]]
+
+
 def test_header_is_written_even_if_the_engine_never_started(tmp_path):
     record(tmp_path / "empty.jsonl", events=EVENTS[1:2])
     header, events = read_recording(tmp_path / "empty.jsonl")

@@ -135,6 +135,33 @@ def test_ctrl_c_still_ends_with_the_summary(tiny_checkpoint, tmp_path):
     assert_summary_matches_the_recording(out, record)
 
 
+def test_ctrl_c_while_the_engine_loads_ends_the_run_there(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    # Once ignored until the engine had started (then a negative run time): a long load is interruptible.
+    import telemetry.__main__ as telemetry_main
+
+    def loading(args):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the load
+
+    monkeypatch.setattr(telemetry_main, "build_llm", loading)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["--model", str(tiny_checkpoint), "--record", str(tmp_path / "run.jsonl")]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert "run summary" not in capsys.readouterr().out and not (tmp_path / "run.jsonl").exists()
+
+
+def test_the_status_line_counts_refusals_and_says_why_once():
+    from telemetry.__main__ import StatusCounter
+
+    status = StatusCounter()
+    for i in range(3):
+        status(RequestRejected(t=0.0, step=0, request_id=i, reason="the prompt is too long", code="invalid"))
+    assert status.line(1.0).endswith("Rejected: 3 (the first: the prompt is too long)")
+    assert status.line(1.0).endswith("Rejected: 3")
+
+
 def test_the_dashboard_prints_the_summary_once_the_terminal_is_back(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     from tui import __main__ as tui_main
     from tui.app import DashboardApp

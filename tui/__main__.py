@@ -25,6 +25,7 @@ from engine.options import (
     add_workload_args,
     build_llm,
     model_name,
+    option_error,
     parse_checked,
     reported_errors,
 )
@@ -117,7 +118,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         try:
             source = ReplaySource(args.replay, speed=args.speed)
         except (OSError, ValueError) as exc:  # not a recording, or not readable: said in one line
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {option_error(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
             return 2
     else:
         # Opened before the UI starts, so a busy port or an unwritable file fails with a plain message.
