@@ -201,6 +201,11 @@ class HostTier:
         self._hold(cpu_block_ids)
         return self._job(False, gpu_block_ids, cpu_block_ids, reason, seq, streamed=streamed).spec.job_id
 
+    def holds_for_the_gone(self) -> bool:
+        """Whether a copy whose request is gone (aborted while it loaded or swapped out) still holds
+        blocks until it lands: the engine is not idle before then."""
+        return any(job.cancelled for job in self.jobs.values())
+
     def cancel_load(self, job_id: int) -> None:
         """Its request is gone: the copy still lands (its GPU blocks wait for that), nothing reads it."""
         self.jobs[job_id].cancelled = True

@@ -161,7 +161,8 @@ class Scheduler:
         self.loading: list[Sequence] = []  # WAITING_FOR_REMOTE_KVS, in admission order
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running and not self.loading
+        return (not self.waiting and not self.running and not self.loading
+                and (self.host_tier is None or not self.host_tier.holds_for_the_gone()))
 
     def max_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most tokens a request can ever hold in the cache: the last sampled token is never fed

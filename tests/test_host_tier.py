@@ -430,11 +430,11 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_copy_lands(t
     assert seq.seq_id == request and len(seq.block_table) == 4
     assert llm.abort_request(request) and llm.abort_request(other)
     llm.drain()  # the step that decoded ``other``
-    assert llm.is_finished()
     held = [b for b in llm.scheduler.block_manager.blocks if b.ref_count]
-    assert len(held) == 4  # the copy into them is still in flight
+    assert len(held) == 4  # the copy into them is still in flight...
+    assert not llm.is_finished()  # ...so the engine is not idle: it steps on until the copy lands
     llm.step()  # it lands: now they go
-    assert all(b.ref_count == 0 for b in llm.scheduler.block_manager.blocks)
+    assert llm.is_finished() and all(b.ref_count == 0 for b in llm.scheduler.block_manager.blocks)
     assert not llm.scheduler.host_tier.jobs and all(b.ref_count == 0 for b in llm.scheduler.host_tier.blocks)
 
 
