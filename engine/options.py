@@ -10,11 +10,12 @@ stderr and exit status 2, as argparse's own errors do; ``--debug`` shows the tra
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import (
     BATCHING,
@@ -27,6 +28,7 @@ from engine.config import (
 )
 from models.errors import CheckpointError
 
+N = TypeVar("N", int, float)
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
 
 
@@ -87,38 +89,32 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
     parser.set_defaults(**defaults)
 
 
+def checked_number(text: str, kind: Callable[[str], N], ok: Callable[[N], bool], expected: str) -> N:
+    """An argparse type's body: ``text`` as ``kind`` where ``ok`` holds it, else argparse's error
+    saying what was ``expected``."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a whole number >= 1 (a lab's sizes and counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+    return checked_number(text, int, lambda v: v >= 1, "a whole number >= 1")
 
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+    return checked_number(text, float, lambda v: 0 < v < math.inf, "a number > 0")
 
 
 def _count_or_none(text: str) -> int | None:
     if text.lower() == "none":
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or 'none', got {text!r}")
-    return value
+    return checked_number(text, int, lambda v: v >= 1, "a whole number >= 1 or 'none'")
 
 
 def add_workload_args(parser: argparse.ArgumentParser, workload: str = "mixed", rate: float | None = None,

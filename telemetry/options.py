@@ -7,30 +7,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.options import option_error
+from engine.options import checked_number, option_error
 from telemetry.event_queue import Consumer
 
 
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 (pick a free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535 (0 picks a free one), got {text!r}")
-    return value
+    return checked_number(text, int, lambda v: 0 <= v <= 65535, "a port from 0 to 65535 (0 picks a free one)")
 
 
 def sample_fraction(text: str) -> float:
     """An argparse type: a share in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
+    return checked_number(text, float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 def add_telemetry_args(parser: argparse.ArgumentParser, metrics_port: bool = True) -> None:
