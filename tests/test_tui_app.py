@@ -224,7 +224,8 @@ def _served_before(event: Event, requests: int) -> Event:
 def test_at_80x24_a_long_running_servers_ids_drop_a_column_instead_of_scrolling_and_a_reset_restores_it():
     events = workload_events(rounds=3)
     end = next(i for i, e in enumerate(events) if e.kind == "preempt") + 1
-    source = LiveLikeSource([_served_before(e, 10_000) for e in events[:end]])
+    # Sequence ids count across the process (other tests' engines came first): shifted far past them.
+    source = LiveLikeSource([_served_before(e, 10**6) for e in events[:end]])
     app = DashboardApp(source)
 
     async def go():
@@ -239,7 +240,7 @@ def test_at_80x24_a_long_running_servers_ids_drop_a_column_instead_of_scrolling_
             assert DROP_ORDER[0] == "preempt"
             for line, row in zip(rows_of(app, table)[1:], app.state.table_rows()):
                 assert line.split()[:2] == [str(row.request_id), state_label(row).split()[0]]
-                assert row.request_id >= 10_000
+                assert row.request_id >= 10**6
                 if row.ttft is not None:
                     assert line.rstrip().endswith(f" {fmt.seconds(row.ttft)}")
             # A replay seeked back (or a reconnect) starts over with small ids: the columns shrink back.
@@ -248,7 +249,8 @@ def test_at_80x24_a_long_running_servers_ids_drop_a_column_instead_of_scrolling_
                 source.buffer.put(event)
             await _settle(pilot)
             assert [column.key.value for column in table.columns.values()] == [key for _, key in COLUMNS]
-            assert table.columns["id"].get_render_width(table) == 1 + len("id")
+            ids = [str(row.request_id) for row in app.state.table_rows()]
+            assert table.columns["id"].get_render_width(table) == 1 + max(len("id"), *map(len, ids)) < 1 + 7
             assert "preempted" in {row.state for row in app.state.table_rows()}
 
     run(go())

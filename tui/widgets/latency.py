@@ -32,6 +32,8 @@ class LatencyPanel(Vertical):
 
     def show(self, state: DashboardState, now: float | None = None) -> None:
         """``now``: a live engine's clock, so that an idle engine's history scrolls on in zeros."""
+        if len(self.query(Sparkline)) < 2:  # called every tick: one can come before its rows are mounted
+            return
         self._state = state
         width = max(1, self.query_one("#prefill-spark").content_size.width)
         # Left-padded so that history scrolls in from the right at a fixed 0.5 s per column.
