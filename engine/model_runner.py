@@ -48,6 +48,12 @@ DEFAULT_HOST_KV_BYTES = 8 * 1024**3
 _HOST_POOL_FIX = "give it less (kv_offloading_size, num_host_kvcache_blocks)"
 
 
+def _physical_memory() -> int:
+    """This machine's memory in bytes: an unpinned host allocation past it succeeds, and fails only
+    when touched, so the pools are checked against it first."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def resolve_device(requested: str | None) -> torch.device:
     if requested is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -339,7 +345,7 @@ class ModelRunner:
         what = f"the KV pool ({blocks} blocks, {blocks * self.block_bytes / 2**30:.1f} GiB)"
         fix = "give it fewer blocks (num_kvcache_blocks, --num-blocks)"
         if self.device.type == "cpu":
-            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            physical = _physical_memory()
             if blocks * self.block_bytes > physical:
                 raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): {fix}")
         try:
@@ -362,7 +368,7 @@ class ModelRunner:
         blocks = self.config.num_host_kvcache_blocks
         host_bytes = blocks * self.block_bytes
         what = f"{name} ({blocks} blocks, {host_bytes / 2**30:.1f} GiB)"
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        physical = _physical_memory()
         if host_bytes > physical:
             raise ConfigError(f"{what} is larger than this machine's memory ({physical / 2**30:.1f} GiB): "
                               f"{_HOST_POOL_FIX}")
