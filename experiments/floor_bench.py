@@ -1,7 +1,8 @@
 """Decode at small batches and prefill of long prompts, each against its own floor measured in the same run.
 
     python experiments/floor_bench.py --preset qwen3-0.6b [--batches 1,4,16] [--output-tokens 1024]
-        [--prefill-prompts 96] [--prefill-tokens 3000] [--no-profile] [--pdl on|no-prefetch|off] [--json FILE]
+        [--prefill-prompts 96] [--prefill-tokens 3000] [--no-profile] [--pdl on|no-prefetch|off] [--gemv-rows N]
+        [--json FILE]
 
 Decode: ``batch`` requests of 32 random prompt tokens decode ``--output-tokens`` tokens each together
 (greedy, ignore_eos). Every decode step reads every weight and the K/V of each running request, so
@@ -17,7 +18,9 @@ torch.profiler gives the GPU time per step by kernel.
 
 ``--pdl`` times the decode chain without programmatic dependent launch (``off``) or without its
 weight prefetch (``no-prefetch``), against the default (``kernels.pdl``). With PDL the kernels of a
-step overlap, so the per-kernel GPU times add up to more than the step.
+step overlap, so the per-kernel GPU times add up to more than the step. ``--gemv-rows`` sets the
+largest batch whose products go through ``kernels.gemv`` (weights read before the wait, the norms
+inside the products), 0 for none, to time it against the skinny GEMM and the norm kernels.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine.events import Step  # noqa: E402
-from engine.options import OptionError, add_engine_args, build_llm, parse_checked, reported_errors  # noqa: E402
+from engine.options import (  # noqa: E402
+    OptionError, add_engine_args, build_llm, checked_number, parse_checked, reported_errors)
 from engine.sampling_params import SamplingParams  # noqa: E402
 from experiments.bench import device_copy_bandwidth, weight_bytes_per_step  # noqa: E402
-from kernels import pdl  # noqa: E402
+from kernels import gemv, pdl  # noqa: E402
 from models.config import Qwen3Config  # noqa: E402
 
 PROMPT_TOKENS = 32
@@ -169,9 +173,11 @@ def run(args: argparse.Namespace) -> dict:
     args.max_num_seqs = max(args.max_num_seqs, max(args.batches))
     # Kernels read the switches as they launch, so the graphs captured at start-up keep them.
     pdl.ENABLED, pdl.PREFETCH_WEIGHTS = args.pdl != "off", args.pdl == "on"
+    gemv.MAX_ROWS = args.gemv_rows
     llm = build_llm(args)
     llm.generate([[1] * 8], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # first-use costs
     results = {"device": torch.cuda.get_device_name(), "model": Path(llm.config.model).name, "pdl": args.pdl,
+               "gemv_rows": args.gemv_rows,
                "copy_TBps": copy / 1e12, "matmul_TFLOPs": rate / 1e12, "decode": [], "prefill": None}
     for batch in args.batches:
         progress(f"decode: batch {batch}, {args.output_tokens} tokens each")
@@ -189,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def report(r: dict) -> None:
     print(f"{r['device']}, {r['model']}: copy {r['copy_TBps']:.2f} TB/s, bf16 8192^3 product "
-          f"{r['matmul_TFLOPs']:.0f} TFLOP/s, PDL {r['pdl']}")
+          f"{r['matmul_TFLOPs']:.0f} TFLOP/s, PDL {r['pdl']}, gemv up to {r['gemv_rows']} rows")
     print("decode   batch  tok/s      step ms (median)  floor ms  share   host launch ms")
     for d in r["decode"]:
         print(f"         {d['batch']:>5}  {d['tok_per_s']:>9,.0f}  {d['step_ms']:6.3f} ({d['step_ms_median']:.3f})"
@@ -227,13 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profiles")
     parser.add_argument("--pdl", choices=("on", "no-prefetch", "off"), default="on",
                         help="programmatic dependent launch for the decode chain (default: %(default)s)")
+    parser.add_argument("--gemv-rows", default=gemv.MAX_ROWS,
+                        type=lambda t: checked_number(t, int, lambda v: v >= 0, "a whole number >= 0"),
+                        help="largest batch through kernels.gemv, 0 for none (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     with reported_errors(args):
         if not torch.cuda.is_available():
             raise OptionError("floor_bench measures against the GPU's own floors: it needs CUDA")
-        if args.pdl != "on" and args.tensor_parallel_size > 1:  # the switches live in this process only
-            raise OptionError("--pdl off|no-prefetch times one GPU: leave --tensor-parallel-size at 1")
+        if (args.pdl != "on" or args.gemv_rows != gemv.MAX_ROWS) and args.tensor_parallel_size > 1:
+            # The switches live in this process only.
+            raise OptionError("--pdl off|no-prefetch and --gemv-rows time one GPU: leave --tensor-parallel-size at 1")
         if min(args.batches) < 1 or args.output_tokens < 2:
             raise OptionError("--batches must be positive and --output-tokens at least 2")
         if args.dtype == "float32":  # the floors count 2-byte weights and K/V, the rate a bf16 product

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import gemv
 from kernels.norm_rope_store import check_qkv, norm_rope_heads
 from kernels.pdl import launch_pdl
 
@@ -123,14 +124,18 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FROM_QKV: tl.constexpr,
     PDL: tl.constexpr,
+    LAUNCH_FIRST: tl.constexpr,  # PDL: let the next kernel launch before this one waits
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
     if PDL:  # everything below reads or writes what other kernels do (kernels.pdl)
+        if LAUNCH_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LAUNCH_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
     ctx = tl.load(context_lens_ptr + seq)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -230,12 +235,16 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
+    LAUNCH_FIRST: tl.constexpr,  # PDL: let the next kernel launch before this one waits
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if PDL:
+        if LAUNCH_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LAUNCH_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
     base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
@@ -419,12 +428,13 @@ def _decode_tile(batch: int, num_kv_heads: int, num_splits: int, device: torch.d
 
 
 def decode_batches(max_batch: int, num_kv_heads: int, device: torch.device) -> list[int]:
-    """The fewest rows of each kernel variant (split count and tile) that ``decode_attention`` runs,
-    without a length hint, for 1 to ``max_batch`` rows: a call at each compiles them all."""
+    """The fewest rows of each kernel variant (split count, tile, launching the next kernel first)
+    that ``decode_attention`` runs, without a length hint, for 1 to ``max_batch`` rows: a call at each
+    compiles them all."""
     batches, seen = [], set()
     for batch in range(1, max_batch + 1):
         splits = decode_num_splits(batch, num_kv_heads, device)
-        variant = (splits, _decode_tile(batch, num_kv_heads, splits, device))
+        variant = (splits, _decode_tile(batch, num_kv_heads, splits, device), batch <= gemv.MAX_ROWS)
         if variant not in seen:
             seen.add(variant)
             batches.append(batch)
@@ -538,6 +548,10 @@ def _launch_decode(
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0
     tile = tile or _decode_tile(batch, num_kv_heads, num_splits, q.device)
     pdl = launch_pdl(q.device)
+    # A batch this small runs its products through kernels.gemv, whose programs load their weights
+    # before their wait: with the kernel after each of these launched as it starts, o_proj's weights
+    # stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms; docs/performance.md).
+    launch_first = pdl and batch <= gemv.MAX_ROWS
     if num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -564,6 +578,7 @@ def _launch_decode(
         DOT_PRECISION=_dot_precision(q.dtype),
         FROM_QKV=rope is not None,
         PDL=pdl,
+        LAUNCH_FIRST=launch_first,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -571,7 +586,8 @@ def _launch_decode(
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, LAUNCH_FIRST=launch_first,
+            num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
         )
     return out
 

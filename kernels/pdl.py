@@ -7,7 +7,10 @@ kernel's drain, a few microseconds against a 0.6B layer's ~10 us of weight reads
 kernel here does only work that reads no earlier kernel's output before ``gdc_wait`` (which returns
 once the previous grid has finished and its writes are visible), then lets the next kernel launch
 (``gdc_launch_dependents``). The skinny GEMM uses that window to start its weights on their way to
-L2 (``PREFETCH_WEIGHTS``), so a layer's weight stream need not stop at each boundary.
+L2 (``PREFETCH_WEIGHTS``), so a layer's weight stream need not stop at each boundary; at a batch of
+one, ``kernels.gemv`` loads its whole slice of weights into registers there, and it and decode
+attention let the next kernel launch before they wait, so that the next product's weights stream
+during this kernel's wait as well.
 
 Every program of a kernel launched with PDL reaches the wait (none returns early) before it touches
 memory another kernel writes, so a kernel's completion implies its predecessors': ordering stays

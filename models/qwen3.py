@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.gemv import gemv_partials, gemv_partials_fits, norm_gemv, norm_gemv_fits
 from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits, skinny_gemm_partials, split_k_fits
 from models.activation import SiluAndMul
 from models.all_reduce import RankSum
@@ -35,9 +36,30 @@ def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Te
     hidden]``: the norm adds them up as it loads them, so splitting K (which fills the GPU where
     cuBLAS leaves it idle) needs no reduction kernel. Under tensor parallelism with the one-shot
     all-reduce it is this rank's term of the sum, which the norm completes (``models.all_reduce``)."""
-    if proj.tp_size == 1 and proj.bias is None and split_k_fits(x, proj.weight):
-        return skinny_gemm_partials(x, proj.weight)
+    if proj.tp_size == 1 and proj.bias is None:
+        if gemv_partials_fits(x, proj.weight):
+            return gemv_partials(x, proj.weight)
+        if split_k_fits(x, proj.weight):
+            return skinny_gemm_partials(x, proj.weight)
     return proj(x)
+
+
+def normed_product(norm: RMSNorm, x: torch.Tensor | RankSum, residual: torch.Tensor | None,
+                   proj: MergedColumnParallelLinear | QKVParallelLinear,
+                   silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(proj(norm(x + residual)), x + residual)`` as one kernel (``kernels.gemv``) for a batch of up
+    to ``gemv.MAX_ROWS`` rows on one GPU; otherwise None, and the caller runs the norm and the product."""
+    if proj.tp_size == 1 and proj.bias is None and not isinstance(x, RankSum) and norm_gemv_fits(x, proj.weight):
+        return norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, silu_mul)
+    return None
+
+
+def normalised(norm: RMSNorm, x: torch.Tensor | RankSum,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``; the first layer's input has no residual yet."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class Qwen3Attention(nn.Module):
@@ -59,16 +81,23 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.qkv_proj.weight
-        if self.qkv_proj.bias is None and skinny_gemm_fits(hidden_states, weight, QKV_SKINNY_MAX_MACS):
-            # A small batch: the Triton product, which launches with PDL where cuBLAS would break
-            # the layer's chain of overlapping kernels (kernels.pdl).
-            qkv = skinny_gemm(hidden_states, weight)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | RankSum, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor | RankSum, torch.Tensor]:
+        """The sub-block from the norm before it: ``(o_proj output, residual)``."""
+        fused = normed_product(norm, hidden_states, residual, self.qkv_proj)
+        if fused is not None:
+            qkv, residual = fused
         else:
-            qkv = self.qkv_proj(hidden_states)
+            hidden_states, residual = normalised(norm, hidden_states, residual)
+            weight = self.qkv_proj.weight
+            if self.qkv_proj.bias is None and skinny_gemm_fits(hidden_states, weight, QKV_SKINNY_MAX_MACS):
+                # A small batch: the Triton product, which launches with PDL where cuBLAS would break
+                # the layer's chain of overlapping kernels (kernels.pdl).
+                qkv = skinny_gemm(hidden_states, weight)
+            else:
+                qkv = self.qkv_proj(hidden_states)
         attn_out = self.attn(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb.cos_sin_cache)
-        return residual_branch_output(self.o_proj, attn_out)
+        return residual_branch_output(self.o_proj, attn_out), residual
 
 
 class Qwen3MLP(nn.Module):
@@ -78,11 +107,20 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if skinny_gemm_fits(x, self.gate_up_proj.weight):
-            # A decode-sized batch: one kernel for the projection and the activation.
-            return residual_branch_output(self.down_proj, skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True))
-        return residual_branch_output(self.down_proj, self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | RankSum, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor | RankSum, torch.Tensor]:
+        """The sub-block from the norm before it: ``(down_proj output, residual)``."""
+        fused = normed_product(norm, x, residual, self.gate_up_proj, silu_mul=True)
+        if fused is not None:
+            activated, residual = fused
+        else:
+            x, residual = norm(x, residual)
+            if skinny_gemm_fits(x, self.gate_up_proj.weight):
+                # A decode-sized batch: one kernel for the projection and the activation.
+                activated = skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True)
+            else:
+                activated = self.act_fn(self.gate_up_proj(x))
+        return residual_branch_output(self.down_proj, activated), residual
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -97,15 +135,10 @@ class Qwen3DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of the previous sub-block is fused into the next norm (and so is the sum
-        # of split-K partials, where the sub-block's last projection left them).
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # of split-K partials, where the sub-block's last projection left them), and at a row or a
+        # few the norm into the product after it: each sub-block starts from its norm.
+        hidden_states, residual = self.self_attn(positions, hidden_states, residual, self.input_layernorm)
+        return self.mlp(hidden_states, residual, self.post_attention_layernorm)
 
 
 class Qwen3Model(nn.Module):

@@ -78,6 +78,38 @@ def test_bf16_greedy_tokens_match_transformers(preset, block_size):
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
+@pytest.mark.parametrize("gemv_rows", [0, 4])
+def test_single_stream_decode_matches_transformers(preset, gemv_rows, monkeypatch):
+    """Requests decoding alone, then three together (a graph of four rows), with and without
+    ``kernels.gemv``'s products (the norms inside them): the same rule as above."""
+    import models.qwen3
+    from kernels import gemv
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[-2])
+        return gemv.norm_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "MAX_ROWS", gemv_rows)
+    monkeypatch.setattr(models.qwen3, "norm_gemv", counted)
+    model_dir = ensure_checkpoint(preset)
+    llm = LLM(str(model_dir), kvcache_block_size=256, max_model_len=2048, gpu_memory_utilization=0.5)
+    prompts = prompts_for(llm.model_config.vocab_size, [7, 333, 31, 100, 64, 500], seed=1)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    alone = [llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] for prompt in prompts[:3]]
+    together = [o["token_ids"] for o in llm.generate(prompts[3:], params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    # The decode graphs of one and of four rows were captured through gemv where it was on.
+    assert {1, 4} <= set(calls) if gemv_rows else not calls
+    counts = check_against_reference(model_dir, prompts, alone + together)
+    assert counts["exempt"] <= 0.05 * counts["checked"]
+    assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
+
+
 def test_cuda_graphs_and_eager_give_the_same_greedy_tokens():
     model_dir = ensure_checkpoint("tiny")
     prompts = prompts_for(4096, [5, 50, 120, 17, 300, 9, 64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])

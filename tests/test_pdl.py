@@ -2,8 +2,8 @@
 it follows has finished, so it must not touch that kernel's memory before ``griddepcontrol.wait``.
 
 On the CPU: each PDL kernel compiled for an H100 issues no global load, store or atomic before its
-wait (the skinny GEMM's weight prefetches excepted), and without PDL it has no grid-dependency
-control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bit for bit."""
+wait (the skinny GEMM's weight prefetches and the gemv's weight loads excepted), and without PDL it
+has no grid-dependency control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bit for bit."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.hopper import ptx_op, run_compiled
 def compile_pdl_kernels() -> None:
     """Prints, for each PDL kernel compiled for an H100 with and without PDL: what global memory
     instructions come before the first wait, and whether the grid-dependency instructions are there."""
+    from kernels.gemv import _gemv_kernel
     from kernels.paged_attention import _decode_kernel, _decode_reduce_kernel
     from kernels.rms_norm import _rms_norm_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
@@ -33,6 +34,12 @@ def compile_pdl_kernels() -> None:
         "skinny_gemm": (_skinny_gemm_kernel, dict(
             x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", M=i32, N=i32, K_PER_SPLIT=i32, stride_xm=i32,
             stride_wn=i32, stride_ym=i32), dict(SILU_MUL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
+        # Qwen3-0.6B's gate/up after o_proj's partials: 8 gate and 8 up rows of 1,024 per program.
+        "gemv": (_gemv_kernel, dict(
+            x_ptr="*fp32", residual_ptr="*bf16", residual_out_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16",
+            y_ptr="*bf16", M=i32, N=i32, stride_xs=i32, stride_xm=i32, stride_r=i32, stride_wn=i32, stride_ys=i32,
+            stride_ym=i32, eps=f32), dict(K=1024, SPLITS_IN=4, NORM=True, HAS_RESIDUAL=True, SILU_MUL=True,
+                                          BLOCK_N=8)),
         "rms_norm": (_rms_norm_kernel, dict(
             x_ptr="*fp32", ranks_ptr="*i64", residual_ptr="*bf16", residual_out_ptr="*bf16", weight_ptr="*bf16",
             y_ptr="*bf16", n=i32, stride_split=i32, stride_x=i32, stride_r=i32, stride_y=i32, eps=f32),
@@ -45,10 +52,10 @@ def compile_pdl_kernels() -> None:
             vc_stride_head=i32, bt_stride=i32, positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
             k_norm_ptr="*bf16", cos_sin_ptr="*fp32", eps=f32, cos_sin_stride=i32),
             dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=4,
-                 DOT_PRECISION="ieee", FROM_QKV=True)),
+                 DOT_PRECISION="ieee", FROM_QKV=True, LAUNCH_FIRST=False)),
         "decode_reduce": (_decode_reduce_kernel, dict(
             out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", o_stride_seq=i32,
-            o_stride_head=i32), dict(HEAD_DIM=128, NUM_SPLITS=4)),
+            o_stride_head=i32), dict(HEAD_DIM=128, NUM_SPLITS=4, LAUNCH_FIRST=True)),
     }
     found = {}
     for name, (kernel, signature, constexprs) in kernels.items():
@@ -57,7 +64,7 @@ def compile_pdl_kernels() -> None:
         # them so, which turns the GEMM's loads into cp.async pipelines), its pipeline depths.
         aligned = tuple(i for i, (arg, kind) in enumerate(signature.items())
                         if kind.startswith("*") or arg.startswith("stride") or arg in ("N", "K_PER_SPLIT"))
-        options = {"num_stages": 4 if name == "skinny_gemm" else 2}
+        options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": 8 if name == "gemv" else 4}
         on = hopper_ptx(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
                         **options).splitlines()
         off = hopper_ptx(kernel, signature, {**constexprs, **{k: False for k in extra}, "PDL": False}, aligned,
@@ -68,7 +75,9 @@ def compile_pdl_kernels() -> None:
         ops = [ptx_op(line) for line in on[:wait] if ".global" in line]
         before = [op for op in ops if not op.startswith((".", "cvta"))]
         found[name] = {"before_wait": sorted(set(before)), "prefetches": sum("prefetch.global.L2" in line for line in on[:wait]),
-                       "launches_dependents": any("griddepcontrol.launch_dependents" in line for line in on[wait:]),
+                       "loads": sum(op.startswith("ld.global") for op in before),
+                       "launches_dependents": any("griddepcontrol.launch_dependents" in line for line in on),
+                       "launches_first": any("griddepcontrol.launch_dependents" in line for line in on[:wait]),
                        "without_pdl": "griddepcontrol" in off}
     print(json.dumps(found))
 
@@ -76,13 +85,17 @@ def compile_pdl_kernels() -> None:
 def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
     found = json.loads(run_compiled("from tests.test_pdl import compile_pdl_kernels; compile_pdl_kernels()")
                        .splitlines()[-1])
-    assert set(found) == {"skinny_gemm", "rms_norm", "decode", "decode_reduce"}
+    assert set(found) == {"skinny_gemm", "gemv", "rms_norm", "decode", "decode_reduce"}
     for name, kernel in found.items():
-        allowed = ["prefetch.global.L2"] if name == "skinny_gemm" else []
+        allowed = {"skinny_gemm": ["prefetch.global.L2"], "gemv": ["ld.global.v4.b32"]}.get(name, [])
         assert kernel["before_wait"] == allowed, name
         assert kernel["launches_dependents"] and not kernel["without_pdl"], name
     # 32 gate and 32 up rows, 8 lines each, over 128 threads: 4 prefetches a thread.
     assert found["skinny_gemm"]["prefetches"] == 4
+    # The gemv, and decode attention at its batch sizes, let the next kernel launch before they wait.
+    assert [name for name, kernel in found.items() if kernel["launches_first"]] == ["gemv", "decode_reduce"]
+    # The gemv's weights and nothing else: 16 rows of 1,024 bf16 over 256 threads, 16 bytes a load.
+    assert found["gemv"]["loads"] == 16 * 1024 * 2 // (256 * 16)
 
 
 def test_pdl_is_off_off_the_gpu() -> None:

@@ -1,0 +1,197 @@
+"""Products of a few rows whose weights are read before the PDL wait, with the RMSNorm before them.
+
+At batch 1 a decode layer's projections are weight streams (Qwen3-0.6B: 30 MB a layer, 10.4 us at an
+H100's copy bandwidth), and the skinny GEMM spends ~1.5-3 us more than that on each: its programs
+only ask for their weights once the kernel before them has finished (``kernels.pdl``), and each
+RMSNorm between two products is a kernel of one program (docs/performance.md, #29). Here a program
+owns a slice of weight rows small enough to hold in registers (``BLOCK_N`` rows of its whole
+``K``), and loads all of it *before* ``gdc_wait``: the weights depend on no kernel, so they stream
+while the previous kernel drains. After the wait it reads its few activation rows (from L2), and
+``tl.sum`` reduces each row against the slice; no K loop, no shared-memory pipeline.
+
+``norm_gemv`` takes the norm in: every program adds up the previous projection's split-K partials
+and the residual, normalises the row itself (a row is 2-8 KB), and the first program writes the new
+residual, so the norm costs no kernel. ``gemv_partials`` writes float32 partials over slices of K
+(o_proj, down_proj), which the next ``norm_gemv`` or RMSNorm adds up. Both round as the kernels they
+replace do: the sum of partials and the residual add rounded to the model dtype, the normalised row
+rounded before and after its weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+
+# Rows a product here takes; more go to the skinny GEMM, whose tiles reuse each weight tile across
+# rows through tensor cores. ``experiments/floor_bench.py --gemv-rows`` sets it (0: never) to time
+# the paths side by side; the model reads it as it runs, so CUDA graphs keep what was set at capture.
+MAX_ROWS = 1
+# The most weight elements a program holds: 32 Ki 16-bit elements are 64 KiB, 64 registers a thread
+# at 8 warps.
+_PROGRAM_ELEMENTS = 16 * 1024
+_NUM_WARPS = 8
+# Programs enough for about one on every SM (an H100 has 132): slices shrink until there are.
+_MIN_PROGRAMS = 128
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, y_ptr,
+    M, N,
+    stride_xs, stride_xm, stride_r, stride_wn, stride_ys, stride_ym,
+    eps,
+    K: tl.constexpr,  # the reduction length of one program: the whole row, or one split of it
+    SPLITS_IN: tl.constexpr,  # NORM: x is SPLITS_IN float32 partials to add up (1: the rows themselves)
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Program (n, s) computes columns n * BLOCK_N ... over K split s (x's columns s * K ...) and writes
+    # rows s * M ... of y. With SILU_MUL the weight has 2N rows, gate rows first.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K)
+    n_mask = cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn + split * K + ks[None, :]
+    w = tl.load(w_rows, mask=n_mask[:, None], other=0.0)
+    if SILU_MUL:
+        w_up = tl.load(w_rows + N.to(tl.int64) * stride_wn, mask=n_mask[:, None], other=0.0)
+    if PDL:
+        # The next kernel launches before this one waits, not after: it has work that reads no
+        # kernel's output too (the next product's weights), which then overlaps this wait.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # everything below reads what other kernels write (kernels.pdl)
+    dtype = y_ptr.dtype.element_ty
+    if NORM:
+        norm_w = tl.load(norm_ptr + ks).to(tl.float32)
+    for row in range(M):
+        if NORM:
+            h = tl.zeros([K], tl.float32)
+            for s in tl.static_range(SPLITS_IN):
+                h += tl.load(x_ptr + s * stride_xs + row * stride_xm + ks).to(tl.float32)
+            h = h.to(dtype)
+            if HAS_RESIDUAL:
+                h = (h.to(tl.float32) + tl.load(residual_ptr + row * stride_r + ks).to(tl.float32)).to(dtype)
+                if pid_n == 0:
+                    tl.store(residual_out_ptr + row * K + ks, h)
+            h = h.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+            a = ((h * inv_rms).to(dtype).to(tl.float32) * norm_w).to(dtype).to(tl.float32)
+        else:
+            a = tl.load(x_ptr + row * stride_xm + split * K + ks).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        if SILU_MUL:
+            gate = acc.to(dtype).to(tl.float32)
+            up = tl.sum(w_up.to(tl.float32) * a[None, :], axis=1).to(dtype).to(tl.float32)
+            out = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            out = acc
+        tl.store(y_ptr + split * stride_ys + row * stride_ym + cols, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _block_n(n: int, k: int, silu_mul: bool, splits: int = 1) -> int:
+    """Weight rows per program (of each of gate and up with ``silu_mul``) over a slice of ``k``: as
+    many as fit ``_PROGRAM_ELEMENTS``, halved while that leaves fewer than ``_MIN_PROGRAMS`` programs."""
+    block_n = min(_PROGRAM_ELEMENTS // k // (2 if silu_mul else 1), triton.next_power_of_2(n))
+    while block_n > 1 and triton.cdiv(n, block_n) * splits < _MIN_PROGRAMS:
+        block_n //= 2
+    return block_n
+
+
+def _splits(k: int) -> int | None:
+    """The fewest slices of K that are powers of two a program can hold two rows of (K, if it is one);
+    None where no split of up to 16 is."""
+    return next((s for s in range(1, 17) if k % s == 0 and (k // s) & (k // s - 1) == 0
+                 and k // s <= _PROGRAM_ELEMENTS // 2), None)
+
+
+def _norm_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    k = weight.shape[1]
+    return weight.dtype in _DTYPES and weight.stride(1) == 1 and x.shape[-1] == k and _splits(k) == 1
+
+
+def _partials_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (weight.dtype in _DTYPES and x.dtype == weight.dtype and weight.stride(1) == 1 and x.dim() == 2
+            and x.shape[1] == weight.shape[1] and _splits(weight.shape[1]) is not None)
+
+
+def _takes(x: torch.Tensor) -> bool:
+    return x.is_cuda and 1 <= x.shape[-2] <= MAX_ROWS
+
+
+def norm_gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the engine sends ``x`` (rows, or split-K partials of rows) through ``norm_gemv``:
+    CUDA, 16-bit weights, at most ``MAX_ROWS`` rows, and a hidden size that is a power of two (each
+    program normalises whole rows)."""
+    return _takes(x) and _norm_shapes(x, weight)
+
+
+def gemv_partials_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the engine sends ``x @ weight.T`` through ``gemv_partials``: as ``norm_gemv_fits``, with
+    K split into slices that are powers of two where it is not one."""
+    return _takes(x) and _partials_shapes(x, weight)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T, x + residual)`` for ``x [M, K]`` or float32 split-K
+    partials ``[splits, M, K]`` (summed first); without ``residual``, ``(rms_norm(x) @ weight.T, x)``.
+    With ``silu_mul`` the weight is ``[gate; up]`` and the product ``silu(gate) * up``. Results are in
+    the weight's dtype; check ``norm_gemv_fits`` first."""
+    partials = x.dim() == 3
+    m, k = x.shape[-2:]
+    if (not _norm_shapes(x, weight) or x.dim() not in (2, 3) or x.stride(-1) != 1
+            or (partials and (residual is None or x.dtype != torch.float32))
+            or (not partials and x.dtype != weight.dtype)):
+        raise ValueError(f"norm_gemv cannot take x {tuple(x.shape)} {x.dtype} into weight {tuple(weight.shape)} "
+                         f"{weight.dtype}: x is rows [M, K] or float32 split-K partials [splits, M, K] with a "
+                         "residual, K a power of two, the weight 16-bit; both contiguous in their last dimension")
+    dtype = weight.dtype
+    if residual is not None and (residual.shape != (m, k) or residual.dtype != dtype or residual.stride(1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be [{m}, {k}] {dtype}, "
+                         "contiguous in its last dimension")
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} must be a contiguous [{k}] vector")
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    y = torch.empty(m, n, dtype=dtype, device=x.device)
+    new_residual = x if residual is None else torch.empty(m, k, dtype=dtype, device=x.device)
+    block_n = _block_n(n, k, silu_mul)
+    use_pdl = pdl.launch_pdl(x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), 1)](
+        x, x if residual is None else residual, new_residual, norm_weight, weight, y,
+        m, n, x.stride(0) if partials else 0, x.stride(-2), 0 if residual is None else residual.stride(0),
+        weight.stride(0), 0, y.stride(0), eps,
+        K=k, SPLITS_IN=x.shape[0] if partials else 1, NORM=True, HAS_RESIDUAL=residual is not None,
+        SILU_MUL=silu_mul, BLOCK_N=block_n, PDL=use_pdl, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+    )
+    return y, new_residual
+
+
+def gemv_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as float32 partial products ``[splits, M, N]`` over equal slices of K, as
+    ``kernels.skinny_gemm.skinny_gemm_partials`` returns them; check ``gemv_partials_fits`` first."""
+    if not _partials_shapes(x, weight) or x.stride(1) != 1:
+        raise ValueError(f"gemv_partials cannot take x {tuple(x.shape)} {x.dtype} into weight "
+                         f"{tuple(weight.shape)} {weight.dtype}: both 16-bit, of one dtype, contiguous in their "
+                         "last dimension, and K a power of two times at most 16")
+    m = x.shape[0]
+    n, k = weight.shape
+    splits = _splits(k)
+    per = k // splits
+    block_n = _block_n(n, per, False, splits)
+    y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    use_pdl = pdl.launch_pdl(x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x, x, x, x, weight, y,
+        m, n, 0, x.stride(0), 0, weight.stride(0), y.stride(0), y.stride(1), 0.0,
+        K=per, SPLITS_IN=1, NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_N=block_n, PDL=use_pdl,
+        num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+    )
+    return y
