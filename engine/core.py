@@ -257,7 +257,8 @@ def run_engine_core(model: str, engine_kwargs: dict[str, Any], socket_directory:
     """The engine process's entry point (a ``multiprocessing`` spawn target): build ``LLM(model,
     **engine_kwargs)`` and serve it over the sockets in ``socket_directory``, which the client has
     bound (and which this process removes if the client dies without doing so)."""
-    # Ctrl-C in a terminal reaches every process of the foreground group; the client decides.
+    # Ctrl-C in a terminal reaches every process of the foreground group; the client decides (already
+    # so from the start, unless started from a thread other than the main one).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=exit_with_parent, args=(lambda: shutil.rmtree(socket_directory, ignore_errors=True),),

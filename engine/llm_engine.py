@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +54,35 @@ class _InFlight:
     number: int  # the engine step that launched it
     start: float  # when its scheduling began
     schedule_s: float
+
+
+@contextmanager
+def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
+    """Within: a first Ctrl-C is held until the caller calls the function this yields (between
+    steps), which raises ``KeyboardInterrupt`` then; a second one raises at once. Only in the main
+    thread with Python's own SIGINT handler installed (elsewhere Ctrl-C is not ours to defer)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: None
+        return
+    asked = False
+
+    def on_sigint(signum: int, frame: object) -> None:
+        nonlocal asked
+        if asked:
+            raise KeyboardInterrupt
+        asked = True
+        logger.warning("interrupted: stopping when this step ends (Ctrl-C again to stop now)")
+
+    def interrupt_if_asked() -> None:
+        if asked:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupt_if_asked
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class LLMEngine:
@@ -375,7 +406,8 @@ class LLMEngine:
         Every prompt is checked before any is queued, so a bad one raises (and emits
         ``request_rejected``) without side effects. Beyond ``max_waiting_requests`` prompts wait
         here and join the queue as it drains. Interrupted (Ctrl-C) or failed, it aborts what it
-        started and leaves the engine idle."""
+        started and leaves the engine idle; a Ctrl-C lands when the step under way ends (a second one
+        at once), since a step cut halfway leaves the host tier's copies issued but not booked."""
         if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], Integral)):
             prompts = [prompts]
@@ -403,22 +435,25 @@ class LLMEngine:
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
-            while len(results) < len(request_ids):
-                self._queue_until_full(unqueued)
-                t = time.perf_counter()
-                outputs, num_tokens = self.step()
-                dt = max(time.perf_counter() - t, 1e-9)
-                if num_tokens > 0:
-                    prefill_tps = num_tokens / dt
-                elif num_tokens < 0:
-                    decode_tps = -num_tokens / dt
-                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
-                for request_id, token_ids in outputs:
-                    # Detokenised as it finishes, while the GPU computes the step in flight: all at
-                    # the end, ~134k tokens of the yardstick kept the GPU idle for ~60 ms.
-                    text = detokenize(self.tokenizer, token_ids, params_of[request_id])
-                    results[request_id] = {"text": text, "token_ids": token_ids}
-                    bar.update(1)
+            with _interrupts_between_steps() as interrupt_if_asked:
+                while len(results) < len(request_ids):
+                    interrupt_if_asked()
+                    self._queue_until_full(unqueued)
+                    t = time.perf_counter()
+                    outputs, num_tokens = self.step()
+                    dt = max(time.perf_counter() - t, 1e-9)
+                    if num_tokens > 0:
+                        prefill_tps = num_tokens / dt
+                    elif num_tokens < 0:
+                        decode_tps = -num_tokens / dt
+                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
+                    for request_id, token_ids in outputs:
+                        # Detokenised as it finishes, while the GPU computes the step in flight: all at
+                        # the end, ~134k tokens of the yardstick kept the GPU idle for ~60 ms.
+                        text = detokenize(self.tokenizer, token_ids, params_of[request_id])
+                        results[request_id] = {"text": text, "token_ids": token_ids}
+                        bar.update(1)
+                interrupt_if_asked()  # the last step ended the work, but the caller asked to stop
         except BaseException:
             self._abandon([r for r in request_ids if r not in results])
             raise

@@ -270,7 +270,7 @@ class _Workers:
             process = ctx.Process(target=_worker_main, name=f"glassbox-tp-rank{rank}",
                                   args=(rank, self.world_size, self.store.port, config, model_config,
                                         command_reader, report_writer))
-            process.start()
+            start_ignoring_sigint(process)
             # Only the worker keeps its ends, so that either side sees EOF when the other is gone.
             command_reader.close()
             report_writer.close()
@@ -461,7 +461,8 @@ class _GuardedGraphs(dict):
 def _worker_main(rank: int, world_size: int, port: int, config: Config, model_config: Qwen3Config,
                  commands: Connection, reports: Connection) -> None:
     """A worker's life: join the group, build this rank's runner, then repeat rank 0's calls."""
-    # Ctrl-C in a terminal reaches every process of the foreground group; rank 0 decides when to stop.
+    # Ctrl-C in a terminal reaches every process of the foreground group; rank 0 decides when to stop
+    # (already so from the start, unless started from a thread other than the main one).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, name="glassbox-tp-parent-watch", daemon=True).start()
     try:
@@ -492,6 +493,23 @@ def _worker_main(rank: int, world_size: int, port: int, config: Config, model_co
         # no interpreter teardown that might wait on them.
         os._exit(1)
     dist.destroy_process_group()
+
+
+def start_ignoring_sigint(process: BaseProcess) -> None:
+    """Start a spawned ``process`` with Ctrl-C ignored from its first instruction. Ctrl-C in a
+    terminal reaches every process of the foreground group, and a child still importing (torch takes
+    seconds) would die printing a ``KeyboardInterrupt`` traceback before its target could ignore it;
+    the parent decides when its children stop. An ignored signal stays ignored across exec, and Python
+    then keeps it so. Only the main thread can change the parent's handler for the moment of the
+    start (a Ctrl-C in that moment is lost); from other threads the target's own ``SIG_IGN`` is all."""
+    if threading.current_thread() is not threading.main_thread():
+        process.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def exit_with_parent(cleanup: Callable[[], None] | None = None) -> None:

@@ -57,6 +57,7 @@ from engine.events import BatchSubscriber, EventBus, RequestFinished, Snapshot, 
 from engine.options import USAGE_ERRORS
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError, RequestRejectedError
+from engine.tensor_parallel import start_ignoring_sigint
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class AsyncEngine:
         self.process = get_context("spawn").Process(
             target=run_engine_core, name="glassbox-engine-core",
             args=(self.model, self.engine_kwargs, self._directory, self.torch_threads))
-        self.process.start()
+        start_ignoring_sigint(self.process)
         atexit.register(self._kill)  # whatever happens to this process, the engine's does not outlive it
         first = await self._receive()
         if not isinstance(first, Ready):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.options import checked_number, option_error
+from engine.options import OptionError, checked_number, option_error
 from telemetry.event_queue import Consumer
 
 
@@ -41,6 +41,10 @@ def add_telemetry_args(parser: argparse.ArgumentParser, metrics_port: bool = Tru
 
 def open_consumers(args: argparse.Namespace, model_name: str, meta: dict | None = None) -> list[Consumer]:
     """The consumers the arguments ask for, not yet attached; on error, those opened are closed again."""
+    if hasattr(args, "metrics_port") and args.metrics_port is None and args.kv_cache_metrics:
+        # The histograms live in the Prometheus exporter: without a port there is none to hold them.
+        raise OptionError("--kv-cache-metrics exports its histograms on /metrics: add --metrics-port PORT "
+                          "(0 picks a free one)")
     consumers: list[Consumer] = []
     try:
         if getattr(args, "metrics_port", None) is not None:

@@ -124,10 +124,17 @@ class ReportingExporter(SpanExporter):
         self.inner = inner
         self.endpoint = endpoint
         self.failing = False
+        self.closing = False  # set as the tracer shuts down: its last export
         for name in _EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(_HOLD_RECORDS)  # a filter is added once, however often
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.closing and not _reachable(self.endpoint):
+            # The exporter would retry with backoff for seconds, holding up the exit (Ctrl-C
+            # included) for spans that can go nowhere.
+            logger.warning("the OTLP collector at %s is unreachable: %d span(s) dropped at exit", self.endpoint,
+                           len(spans))
+            return SpanExportResult.FAILURE
         _held.records = held = []
         try:
             result = self.inner.export(spans)
@@ -192,6 +199,7 @@ class RequestTracer(Consumer):
         exporter = span_exporter if span_exporter is not None else _resolve_exporter(otlp_endpoint)
         service = service_name or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
         self.provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
+        self._exporter = exporter
         if exporter is not None:
             # Export happens on the processor's own thread, never on the queue worker.
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -215,6 +223,8 @@ class RequestTracer(Consumer):
         return super().flush(timeout) and self.provider.force_flush(int(timeout * 1000))
 
     def _shutdown(self) -> None:
+        if isinstance(self._exporter, ReportingExporter):
+            self._exporter.closing = True
         self.provider.shutdown()
 
     def _ns(self, t: float) -> int:

@@ -7,7 +7,9 @@ least 1e-4 (the exempted positions are counted and must stay rare).
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 import numpy as np
@@ -449,6 +451,72 @@ def test_the_waiting_queue_limit_refuses_with_queue_full(tiny_checkpoint):
     outs = llm.generate([[i + 1, i + 2] for i in range(7)], greedy(2), use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [2] * 7
     assert max(e.waiting for e in events if e.kind == "schedule") <= 2
+
+
+def _interrupted(llm: LLM, runs: list[list[list[int]]], params: SamplingParams, at: int,
+                 signals: int) -> pytest.ExceptionInfo:
+    """generate() on each of ``runs`` in turn, with ``signals`` real SIGINTs sent at event ``at`` of
+    them; then the engine stepped until idle (copies of aborted requests may still be landing)."""
+    seen, armed = -1, False  # armed once the start-up announcements are replayed to it
+
+    def interrupt(event) -> None:
+        nonlocal seen
+        if armed:
+            seen += 1
+            if seen == at:
+                for _ in range(signals):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    unsubscribe = llm.events.subscribe(interrupt)
+    armed = True
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            for prompts_ in runs:
+                llm.generate(prompts_, params, use_tqdm=False)
+    finally:
+        unsubscribe()
+    while not llm.is_finished():
+        llm.step()
+    return raised
+
+
+def test_ctrl_c_lands_between_steps_and_leaves_both_tiers_empty(tiny_checkpoint):
+    """A real SIGINT at events all through runs that swap to the host tier and load from it:
+    generate() raises once the step under way has ended (a step cut halfway would leave the tier's
+    copies issued but not booked), nothing stays held on either tier, and the engine serves again."""
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, num_kvcache_blocks=8, max_num_batched_tokens=48,
+              num_host_kvcache_blocks=24, preemption_mode="swap")
+    prompts_ = [[7] * 40, [7] * 33 + [9] * 5, [3] * 20, [5] * 30]
+    runs = [prompts_, [[11] * 100], prompts_]  # preemptions swap out; the filler evicts; then host hits
+    params = greedy(16)
+    events = []
+    unsubscribe = llm.events.subscribe(events.append)
+    del events[:]
+    expected = [llm.generate(r, params, use_tqdm=False) for r in runs]
+    unsubscribe()
+    llm.reset_prefix_cache()
+    assert {"preempt", "swap_in", "host_hit", "kv_transfer"} <= {e.kind for e in events}
+    tier, bm = llm.scheduler.host_tier, llm.scheduler.block_manager
+    for at in range(0, len(events), max(1, len(events) // 20)):
+        raised = _interrupted(llm, runs, params, at, signals=1)
+        where = f"Ctrl-C at event {at}"
+        assert raised.traceback[-1].name == "interrupt_if_asked", f"{where} landed inside a step"
+        llm.reset_prefix_cache()  # lands the cache's stores still in flight, then forgets both tiers' blocks
+        assert not bm.used_block_ids and all(b.ref_count == 0 for b in bm.blocks), where
+        assert not tier.jobs and all(b.ref_count == 0 for b in tier.blocks) and tier.num_swap_blocks == 0, where
+        assert len(tier.free) == tier.num_blocks and tier.staging_free == tier.staging_blocks, where
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert [llm.generate(r, params, use_tqdm=False) for r in runs] == expected
+
+
+def test_a_second_ctrl_c_stops_at_once(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16, num_kvcache_blocks=6, max_num_batched_tokens=48)
+    prompts_ = [[7] * 40, [3] * 20]
+    expected = llm.generate(prompts_, greedy(8), use_tqdm=False)
+    raised = _interrupted(llm, [prompts_], greedy(8), 10, signals=2)
+    assert raised.traceback[-1].name == "on_sigint"  # inside the step, where the second one came
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert llm.generate(prompts_, greedy(8), use_tqdm=False) == expected
 
 
 def test_an_interrupt_at_any_event_leaves_no_block_held(tiny_checkpoint):

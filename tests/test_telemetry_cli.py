@@ -35,6 +35,7 @@ def test_headless_run_records_and_exits_cleanly(tiny_checkpoint, tmp_path, caplo
 @pytest.mark.parametrize("extra,message", [
     (["--otlp-endpoint", "foo"], "must be an http(s) URL"),
     (["--record", "/nonexistent-dir/x.jsonl"], "cannot write recording"),
+    (["--kv-cache-metrics"], "add --metrics-port PORT"),
 ])
 def test_bad_options_fail_before_the_engine_starts(tiny_checkpoint, extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

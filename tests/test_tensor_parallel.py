@@ -29,7 +29,7 @@ import torch.distributed as dist
 from engine.config import Config, ConfigError
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from engine.tensor_parallel import WorkerError, _choose_all_reduce
+from engine.tensor_parallel import WorkerError, _choose_all_reduce, start_ignoring_sigint
 from models.all_reduce import OneShotAllReduce
 from tests.test_engine import GAP, MAX_TOKENS, greedy, prompts, reference, teacher_forced_mismatches  # noqa: F401
 
@@ -237,6 +237,27 @@ if __name__ == "__main__":
     while True:  # until Ctrl-C
         llm.generate(prompts, params, use_tqdm=False)
 """
+
+
+def _exit_with_sigint_disposition() -> None:
+    # 0 when this process started with Ctrl-C ignored (nothing here has touched the handler).
+    os._exit(0 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else 3)
+
+
+def test_spawned_processes_ignore_ctrl_c_from_their_first_import():
+    """Workers and the engine process start with SIGINT ignored, not only once their target runs: a
+    Ctrl-C while one still imports torch would otherwise end it with a traceback."""
+    from multiprocessing import get_context
+
+    process = get_context("spawn").Process(target=_exit_with_sigint_disposition)
+    start_ignoring_sigint(process)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own, back
+    process.join(timeout=120)
+    assert process.exitcode == 0
+    plain = get_context("spawn").Process(target=_exit_with_sigint_disposition)
+    plain.start()
+    plain.join(timeout=120)
+    assert plain.exitcode == 3  # what a plain start gives: Python's KeyboardInterrupt handler
 
 
 def test_two_engines_side_by_side_and_ctrl_c_leaves_nothing(tiny_checkpoint, prompts, tmp_path):

@@ -305,6 +305,28 @@ def test_an_unreachable_collector_is_reported_once_and_its_return_too(events, mo
     assert _Receiver.requests
 
 
+def test_spans_left_for_an_unreachable_collector_at_exit_are_dropped_without_retries(events, caplog):
+    """Closing (Ctrl-C included) does not wait out the exporter's retries and backoff for a collector
+    that is not there: the spans still queued are dropped with one line saying so."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}/v1/traces"
+    caplog.set_level("INFO")
+    tracer = RequestTracer(otlp_endpoint=endpoint)
+    exported = []
+    inner_export = tracer._exporter.inner.export
+    tracer._exporter.inner.export = lambda spans: exported.append(len(spans)) or inner_export(spans)
+    for e in events:
+        tracer.put(e)
+    tracer.close()  # the batch processor's schedule (5 s) has not come: its spans wait for this export
+    finished = sum(isinstance(e, RequestFinished) for e in events)
+    assert not exported
+    assert [r.getMessage() for r in caplog.records if r.name == "telemetry.tracing"] == [
+        f"the OTLP collector at {endpoint} is unreachable: {finished} span(s) dropped at exit"]
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+
+
 def test_a_collector_that_refuses_spans_is_reported_with_its_answer(events, monkeypatch, caplog):
     class Refuser(BaseHTTPRequestHandler):
         def do_POST(self):
