@@ -131,17 +131,12 @@ def test_gemv_chain_matches_serial_launches_gpu(m: int, monkeypatch) -> None:
     """Weights are loaded before the wait, activations after: eight layers of Qwen3-0.6B's products
     (norm + qkv, o_proj's partials, norm + gate/up + SiLU, down_proj's partials) in a CUDA graph with
     PDL give bit for bit what serial launches give, on new inputs every replay."""
-    from tests.test_pdl import assert_graph_matches_serial_launches
+    from tests.test_pdl import assert_graph_matches_serial_launches, decode_layer_weights
 
     monkeypatch.setattr(gemv, "MAX_ROWS", 2)
     gen = torch.Generator(device="cuda").manual_seed(m)
-    hidden, inter, layers = 1024, 3072, 8
-    weights = [((torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16(),
-                torch.randn(4096, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
-                torch.randn(hidden, 2048, device="cuda", generator=gen).bfloat16() * 0.03,
-                torch.randn(2 * inter, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
-                torch.randn(hidden, inter, device="cuda", generator=gen).bfloat16() * 0.03) for _ in range(layers)]
-    x = torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
+    weights = decode_layer_weights(gen)
+    x = torch.empty(m, 1024, dtype=torch.bfloat16, device="cuda")
 
     def forward() -> torch.Tensor:
         h, residual = x, None
@@ -153,5 +148,5 @@ def test_gemv_chain_matches_serial_launches_gpu(m: int, monkeypatch) -> None:
         return norm_gemv(h, residual, weights[0][0], 1e-6, weights[0][1])[0]
 
     assert gemv.norm_gemv_fits(x, weights[0][1])
-    assert_graph_matches_serial_launches(forward, lambda: x.copy_(torch.randn(m, hidden, device="cuda", generator=gen)),
+    assert_graph_matches_serial_launches(forward, lambda: x.copy_(torch.randn(m, 1024, device="cuda", generator=gen)),
                                          monkeypatch)

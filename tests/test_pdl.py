@@ -122,6 +122,17 @@ def assert_graph_matches_serial_launches(forward, new_inputs, monkeypatch) -> No
         assert torch.equal(out, expected)
 
 
+def decode_layer_weights(gen: torch.Generator, layers: int = 8) -> list[tuple[torch.Tensor, ...]]:
+    """Qwen3-0.6B's decode weights for ``layers`` layers, random: (norm, qkv, o_proj, gate/up,
+    down_proj) each."""
+    hidden, inter = 1024, 3072
+    return [((torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16(),
+             torch.randn(4096, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
+             torch.randn(hidden, 2048, device="cuda", generator=gen).bfloat16() * 0.03,
+             torch.randn(2 * inter, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
+             torch.randn(hidden, inter, device="cuda", generator=gen).bfloat16() * 0.03) for _ in range(layers)]
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
 @pytest.mark.parametrize("m", (1, 16, 100))
@@ -133,13 +144,8 @@ def test_pdl_chain_matches_serial_launches_gpu(m: int, monkeypatch) -> None:
     every replay: any read before the wait would see the previous replay's values."""
     assert pdl.launch_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     gen = torch.Generator(device="cuda").manual_seed(m)
-    hidden, inter, layers = 1024, 3072, 8
-    weights = [((torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16(),
-                torch.randn(4096, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
-                torch.randn(hidden, 2048, device="cuda", generator=gen).bfloat16() * 0.03,
-                torch.randn(2 * inter, hidden, device="cuda", generator=gen).bfloat16() * 0.03,
-                torch.randn(hidden, inter, device="cuda", generator=gen).bfloat16() * 0.03) for _ in range(layers)]
-    x = torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
+    weights = decode_layer_weights(gen)
+    x = torch.empty(m, 1024, dtype=torch.bfloat16, device="cuda")
 
     def forward() -> torch.Tensor:
         residual, partials = x, None
@@ -153,7 +159,7 @@ def test_pdl_chain_matches_serial_launches_gpu(m: int, monkeypatch) -> None:
             partials = skinny_gemm_partials(skinny_gemm(h, gate_up_w, True), down_w)
         return rms_norm(partials, weights[0][0], 1e-6, residual)[0]
 
-    assert_graph_matches_serial_launches(forward, lambda: x.copy_(torch.randn(m, hidden, device="cuda", generator=gen)),
+    assert_graph_matches_serial_launches(forward, lambda: x.copy_(torch.randn(m, 1024, device="cuda", generator=gen)),
                                          monkeypatch)
 
 
