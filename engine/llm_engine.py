@@ -11,8 +11,10 @@ formats, exports or stores telemetry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import threading
 import time
@@ -70,9 +72,13 @@ def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
     def on_sigint(signum: int, frame: object) -> None:
         nonlocal asked
         if asked:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # even if it lands as the block exits
             raise KeyboardInterrupt
         asked = True
-        logger.warning("interrupted: stopping when this step ends (Ctrl-C again to stop now)")
+        # Written straight to the descriptor: a handler that logs could land inside a write to
+        # stderr (tqdm's bar, a log line) and make it reentrant.
+        with contextlib.suppress(OSError):
+            os.write(2, b"\ninterrupted: stopping when this step ends (Ctrl-C again to stop now)\n")
 
     def interrupt_if_asked() -> None:
         if asked:
@@ -406,8 +412,9 @@ class LLMEngine:
         Every prompt is checked before any is queued, so a bad one raises (and emits
         ``request_rejected``) without side effects. Beyond ``max_waiting_requests`` prompts wait
         here and join the queue as it drains. Interrupted (Ctrl-C) or failed, it aborts what it
-        started and leaves the engine idle; a Ctrl-C lands when the step under way ends (a second one
-        at once), since a step cut halfway leaves the host tier's copies issued but not booked."""
+        started and leaves the engine idle; a Ctrl-C lands when the step under way ends, since a step
+        cut halfway leaves the host tier's copies issued but not booked (a second Ctrl-C stops at once,
+        and with a host tier may leave it so: build a new engine then)."""
         if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], Integral)):
             prompts = [prompts]

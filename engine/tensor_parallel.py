@@ -502,10 +502,11 @@ def start_ignoring_sigint(process: BaseProcess) -> None:
     the parent decides when its children stop. An ignored signal stays ignored across exec, and Python
     then keeps it so. Only the main thread can change the parent's handler for the moment of the
     start (a Ctrl-C in that moment is lost); from other threads the target's own ``SIG_IGN`` is all."""
-    if threading.current_thread() is not threading.main_thread():
-        process.start()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        process.start()  # None: a handler installed from C, which Python cannot put back
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         process.start()
     finally:

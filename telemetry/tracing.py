@@ -124,14 +124,12 @@ class ReportingExporter(SpanExporter):
         self.inner = inner
         self.endpoint = endpoint
         self.failing = False
-        self.closing = False  # set as the tracer shuts down: its last export
+        self.dropping = False  # the tracer is closing and the collector cannot be reached
         for name in _EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(_HOLD_RECORDS)  # a filter is added once, however often
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self.closing and not _reachable(self.endpoint):
-            # The exporter would retry with backoff for seconds, holding up the exit (Ctrl-C
-            # included) for spans that can go nowhere.
+        if self.dropping:
             logger.warning("the OTLP collector at %s is unreachable: %d span(s) dropped at exit", self.endpoint,
                            len(spans))
             return SpanExportResult.FAILURE
@@ -155,8 +153,17 @@ class ReportingExporter(SpanExporter):
                                "(said once)", self.endpoint)
         return result
 
+    def drop_if_unreachable(self) -> None:
+        """As the tracer closes: with no collector to take them, the exporter's retries (seconds of
+        backoff) would hold up the exit, Ctrl-C included, for spans that can go nowhere. Stop the
+        export under way, if any (the exporter's shutdown cuts its backoff short), and drop the rest."""
+        if not _reachable(self.endpoint):
+            self.dropping = True
+            self.inner.shutdown()
+
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        if not self.dropping:  # else already shut down
+            self.inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -224,7 +231,7 @@ class RequestTracer(Consumer):
 
     def _shutdown(self) -> None:
         if isinstance(self._exporter, ReportingExporter):
-            self._exporter.closing = True
+            self._exporter.drop_if_unreachable()
         self.provider.shutdown()
 
     def _ns(self, t: float) -> int:
