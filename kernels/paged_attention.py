@@ -427,6 +427,14 @@ def _decode_tile(batch: int, num_kv_heads: int, num_splits: int, device: torch.d
     return 128 if batch * num_kv_heads * num_splits >= _LARGE_TILE_PROGRAMS_PER_SM * _sm_count(device) else 64
 
 
+def _launches_first(batch: int) -> bool:
+    """Whether the decode kernels let the next kernel launch before they wait: a batch this small
+    runs its products through kernels.gemv, whose programs load their weights before their wait, so
+    o_proj's weights stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms;
+    docs/performance.md). One rule for the launches and for the variants warmed at start-up."""
+    return batch <= gemv.MAX_ROWS
+
+
 def decode_batches(max_batch: int, num_kv_heads: int, device: torch.device) -> list[int]:
     """The fewest rows of each kernel variant (split count, tile, launching the next kernel first)
     that ``decode_attention`` runs, without a length hint, for 1 to ``max_batch`` rows: a call at each
@@ -434,7 +442,7 @@ def decode_batches(max_batch: int, num_kv_heads: int, device: torch.device) -> l
     batches, seen = [], set()
     for batch in range(1, max_batch + 1):
         splits = decode_num_splits(batch, num_kv_heads, device)
-        variant = (splits, _decode_tile(batch, num_kv_heads, splits, device), batch <= gemv.MAX_ROWS)
+        variant = (splits, _decode_tile(batch, num_kv_heads, splits, device), _launches_first(batch))
         if variant not in seen:
             seen.add(variant)
             batches.append(batch)
@@ -548,10 +556,7 @@ def _launch_decode(
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0
     tile = tile or _decode_tile(batch, num_kv_heads, num_splits, q.device)
     pdl = launch_pdl(q.device)
-    # A batch this small runs its products through kernels.gemv, whose programs load their weights
-    # before their wait: with the kernel after each of these launched as it starts, o_proj's weights
-    # stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms; docs/performance.md).
-    launch_first = pdl and batch <= gemv.MAX_ROWS
+    launch_first = pdl and _launches_first(batch)
     if num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)

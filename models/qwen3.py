@@ -49,7 +49,7 @@ def normed_product(norm: RMSNorm, x: torch.Tensor | RankSum, residual: torch.Ten
                    silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(proj(norm(x + residual)), x + residual)`` as one kernel (``kernels.gemv``) for a batch of up
     to ``gemv.MAX_ROWS`` rows on one GPU; otherwise None, and the caller runs the norm and the product."""
-    if proj.tp_size == 1 and proj.bias is None and not isinstance(x, RankSum) and norm_gemv_fits(x, proj.weight):
+    if proj.tp_size == 1 and proj.bias is None and norm_gemv_fits(x, proj.weight):  # one GPU: no RankSum
         return norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, silu_mul)
     return None
 
