@@ -3,17 +3,18 @@
 Each figure is one projection of a Qwen3 decoder layer, timed the way a decode step runs it: one
 copy per layer with distinct weights (so the weights come from HBM, not L2) captured in one CUDA
 graph, replayed, and divided by the number of layers. ``gate_up+silu`` compares cuBLAS followed by the Triton
-SiLU-and-mul kernel (the engine's prefill path) with the skinny GEMM that ends in SiLU-and-mul;
+SiLU-and-mul kernel (the engine's path for small prefills) with the skinny GEMM that ends in SiLU-and-mul;
 the other rows compare plain products. o and down also time what the engine runs where
 ``split_k_fits``: the split-K skinny GEMM and the RMSNorm that adds its partials, against cuBLAS and
 the same norm on the whole product. The floor is the weight's bytes over the device-copy bandwidth
 measured in the same run.
 
-    python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b]
+    python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b] [--prefill-rows 16384]
 
 ``--sweep`` times every tile candidate of each product (with ``--rows`` up to 128, the split-K
 tiles of o and down with the norm that adds their partials) and prints the three fastest after what
-the engine picks.
+the engine picks. ``--prefill-rows`` times prefill's gate_up+silu at those rows: cuBLAS and the SiLU
+kernel against ``kernels.prefill_gemm``'s product with the activation in its epilogue.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton
 
 from experiments.attention_bench import copy_bandwidth
 from kernels.activation import silu_and_mul
+from kernels.prefill_gemm import gate_up_silu
 from kernels.rms_norm import rms_norm
 from kernels.skinny_gemm import (
     GemmConfig,
@@ -168,12 +170,37 @@ def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) ->
     print(line, flush=True)
 
 
+def bench_prefill(config: Qwen3Config, m: int, rounds: int = 3) -> None:
+    """gate_up+silu at a prefill step's ``m`` rows: cuBLAS then ``silu_and_mul`` (the engine's path
+    below ``prefill_gemm.MIN_ROWS`` rows) against ``kernels.prefill_gemm``, in alternating rounds."""
+    from triton.testing import do_bench
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, config.hidden_size, dtype=DTYPE, device="cuda", generator=gen)
+    w = torch.randn(2 * config.intermediate_size, config.hidden_size, dtype=DTYPE, device="cuda",
+                    generator=gen) * config.hidden_size**-0.5
+    ref = silu_and_mul(F.linear(x, w))
+    err = ((gate_up_silu(x, w).float() - ref.float()).norm() / ref.float().norm()).item()
+    if err > 1e-2:
+        raise AssertionError(f"gate_up+silu m={m}: relative error {err:.2e} against cuBLAS")
+    flops = 4 * m * config.intermediate_size * config.hidden_size
+    times: dict[str, list[float]] = {"cuBLAS + silu_and_mul": [], "prefill_gemm": []}
+    for _ in range(rounds):
+        times["cuBLAS + silu_and_mul"].append(do_bench(lambda: silu_and_mul(F.linear(x, w)), return_mode="median"))
+        times["prefill_gemm"].append(do_bench(lambda: gate_up_silu(x, w), return_mode="median"))
+    (old_name, old), (new_name, new) = ((name, statistics.median(t)) for name, t in times.items())
+    print(f"gate_up+silu M={m:<6} {old_name} {1e3 * old:8.1f} us ({flops / old / 1e9:4.0f} TFLOP/s) | {new_name} "
+          f"{1e3 * new:8.1f} us ({flops / new / 1e9:4.0f} TFLOP/s) | x{old / new:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256],
-                        help="decode batch sizes (GEMM rows) to time")
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 8, 16, 32, 64, 128, 256],
+                        help="decode batch sizes (GEMM rows) to time; none: only --prefill-rows")
     parser.add_argument("--preset", choices=sorted(p for p in PRESETS if p != "tiny"), default="qwen3-0.6b")
     parser.add_argument("--sweep", action="store_true", help="also time every tile candidate of each product")
+    parser.add_argument("--prefill-rows", type=int, nargs="*", default=[],
+                        help="also time prefill's gate_up+silu at these row counts (kernels.prefill_gemm)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("gemm_bench times the GPU's matrix products: it needs CUDA")
@@ -184,6 +211,8 @@ def main() -> None:
     for m in args.rows:
         for proj in projections(config):
             bench(proj, m, config.num_hidden_layers, copy_bw, args.sweep)
+    for m in args.prefill_rows:
+        bench_prefill(config, m)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kernels.gemv import gemv_partials, gemv_partials_fits, norm_gemv, norm_gemv_fits
+from kernels.prefill_gemm import gate_up_silu, gate_up_silu_fits
 from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits, skinny_gemm_partials, split_k_fits
 from models.activation import SiluAndMul
 from models.all_reduce import RankSum
@@ -118,6 +119,9 @@ class Qwen3MLP(nn.Module):
             if skinny_gemm_fits(x, self.gate_up_proj.weight):
                 # A decode-sized batch: one kernel for the projection and the activation.
                 activated = skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True)
+            elif gate_up_silu_fits(x, self.gate_up_proj.weight):
+                # A large prefill on Hopper: the activation in the product's epilogue.
+                activated = gate_up_silu(x, self.gate_up_proj.weight)
             else:
                 activated = self.act_fn(self.gate_up_proj(x))
         return residual_branch_output(self.down_proj, activated), residual
