@@ -13,7 +13,7 @@ time against the mean floor (the share) and, at the smallest batch, the GPU time
 Prefill: ``--prefill-prompts`` prompts of ``--prefill-tokens`` random ids, max_tokens 1, prefix cache
 reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding parameters x tokens +
 2 x layers x heads x head_dim x sum(s^2)`` (projections, then causal attention's two products), and
-its rate is set against a bf16 8192^3 matrix product timed here, before the decode runs and again
+its rate is set against a bf16 8192^3 matrix product timed here, before the engine loads and again
 after the prefill (the share is against the mean of the two); then the same prefill under
 torch.profiler gives the GPU time per step by kernel.
 
@@ -149,17 +149,16 @@ def decode_kernels(llm, batch: int) -> dict:
     return {"batch": batch, **table}
 
 
-def prefill_run(llm, count: int, length: int, rate: float, profiled: bool = False) -> dict:
-    """The prompts prefilled, timed, against the product's ``rate``; ``profiled``: then again under
-    torch.profiler, for the GPU time per step by kernel."""
+def prefill_run(llm, count: int, length: int, profiled: bool = False) -> dict:
+    """The prompts prefilled, timed; ``profiled``: then again under torch.profiler, for the GPU time
+    per step by kernel."""
     mc = llm.model_config
     prompts = random_prompts(count, length, mc.vocab_size, seed=3)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     steps, wall = timed_generate(llm, prompts, params)
     flops = prefill_flops(mc, [len(p) for p in prompts])
     result = {"prompts": count, "prompt_tokens": length, "wall_s": wall, "steps": len(steps),
-              "flops": flops, "tflops": flops / wall / 1e12, "share_of_matmul": flops / wall / rate,
-              "tok_per_s": count * length / wall}
+              "flops": flops, "tflops": flops / wall / 1e12, "tok_per_s": count * length / wall}
     if profiled:
         llm.reset_prefix_cache()
         result["kernels"] = kernel_table(lambda: llm.generate(prompts, params, use_tqdm=False), len(steps))
@@ -188,14 +187,15 @@ def run(args: argparse.Namespace) -> dict:
         results["kernels"] = decode_kernels(llm, min(args.batches))
     if args.prefill_prompts:
         progress(f"prefill: {args.prefill_prompts} prompts of {args.prefill_tokens} tokens")
-        prefill_run(llm, min(8, args.prefill_prompts), args.prefill_tokens, rate)  # shapes compiled once
-        prefill = prefill_run(llm, args.prefill_prompts, args.prefill_tokens, rate, not args.no_profile)
-        # The product again, in the card's state after the prefill: its rate moves between processes
-        # on one H100 as much as a kernel change does (694-761 TFLOP/s), so the share is against both.
+        prefill_run(llm, min(8, args.prefill_prompts), args.prefill_tokens)  # shapes compiled once
+        prefill = prefill_run(llm, args.prefill_prompts, args.prefill_tokens, not args.no_profile)
+        # The product again, now with the engine loaded and the card just out of the prefill: its rate
+        # moved between processes on one H100 as much as a kernel change does (676-761 TFLOP/s), so
+        # the share is against the mean of the two.
         progress("the matrix-product rate again")
         after = matmul_rate()
-        prefill["matmul_TFLOPs"] = [rate / 1e12, after / 1e12]
-        prefill["share_of_matmul"] = prefill["tflops"] * 1e12 / ((rate + after) / 2)
+        prefill["matmul_TFLOPs_before_after"] = [rate / 1e12, after / 1e12]
+        prefill["share_of_matmul"] = prefill["flops"] / prefill["wall_s"] / ((rate + after) / 2)
         results["prefill"] = prefill
     llm.close()
     return results
@@ -214,7 +214,7 @@ def report(r: dict) -> None:
     if p:
         print(f"prefill  {p['prompts']} x {p['prompt_tokens']} tokens in {p['wall_s']:.3f} s ({p['steps']} steps): "
               f"{p['tflops']:.0f} TFLOP/s = {p['share_of_matmul']:.1%} of the product's rate (timed before and after: "
-              f"{p['matmul_TFLOPs'][0]:.0f}, {p['matmul_TFLOPs'][1]:.0f} TFLOP/s), "
+              f"{p['matmul_TFLOPs_before_after'][0]:.0f}, {p['matmul_TFLOPs_before_after'][1]:.0f} TFLOP/s), "
               f"{p['tok_per_s']:,.0f} tok/s")
         if p.get("kernels"):
             print_kernels("prefill step", p["kernels"])

@@ -204,6 +204,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("gemm_bench times the GPU's matrix products: it needs CUDA")
+    if args.prefill_rows and torch.cuda.get_device_capability()[0] != 9:
+        parser.error("--prefill-rows times kernels/prefill_gemm.py, which is built for Hopper (TMA, wgmma): "
+                     f"this GPU is {torch.cuda.get_device_name()}")
     config = PRESETS[args.preset]
     copy_bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s; "

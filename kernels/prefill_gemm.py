@@ -7,7 +7,8 @@ output tiles (grouped along M, so a group's weight tiles stay in L2) and loads e
 and up tiles as one TMA box of the weight seen as ``[2, N, K]``: a single ``[128, 256]`` tensor-core
 product covers both halves, and the epilogue writes only ``silu(gate) * up``. The box is the point:
 with two products into two accumulators a step the kernel ran 0.97-1.08x as fast as cuBLAS with the
-SiLU kernel, with one 1.15x (H100, 16k rows; 1.13x on Qwen3-4B's shape). Gate and up
+SiLU kernel, with one 1.15x in the same probe; in ``experiments/gemm_bench.py --prefill-rows`` 1.18x
+on Qwen3-0.6B's 16k-row step and 1.06x on Qwen3-4B's (H100, docs/performance.md). Gate and up
 are rounded to the model dtype before the activation, and the result once, as cuBLAS's output
 through ``silu_and_mul`` is.
 
@@ -74,6 +75,7 @@ def _gate_up_silu_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _programs(device: torch.device) -> int:
+    # One program per SM; the interpreter (CPU tests) gets a few, so that programs walk several tiles.
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
@@ -82,26 +84,36 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and weight.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and x.is_contiguous() and weight.is_contiguous() and x.shape[1] == weight.shape[1]
-            and weight.shape[0] % 2 == 0 and x.shape[1] % 8 == 0)
+def _shape_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """What keeps ``x @ weight.T`` out of the kernel, or None."""
+    if x.dim() != 2 or weight.dim() != 2:
+        return f"x {tuple(x.shape)} and the weight {tuple(weight.shape)} must both be 2-D"
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        return f"x is {x.dtype} and the weight {weight.dtype}: both must be float16 or both bfloat16"
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        return "x and the weight must be contiguous (call .contiguous())"
+    if x.shape[1] != weight.shape[1]:
+        return f"x has {x.shape[1]} columns and the weight {weight.shape[1]}: they must match (K)"
+    if weight.shape[0] == 0 or weight.shape[0] % 2:
+        return f"the weight has {weight.shape[0]} rows: gate and up stacked need an even count, at least 2"
+    if x.shape[1] == 0 or x.shape[1] % 8:
+        return f"K = {x.shape[1]} is not a multiple of 8 (TMA needs rows of 16-byte multiples)"
+    return None
 
 
 def gate_up_silu_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the engine sends ``silu_and_mul(x @ weight.T)`` here: a Hopper GPU, at least
     ``MIN_ROWS`` rows, 16-bit contiguous operands."""
-    return x.is_cuda and x.shape[0] >= MIN_ROWS and _hopper(x.device) and _shapes(x, weight)
+    return x.is_cuda and x.shape[0] >= MIN_ROWS and _hopper(x.device) and _shape_problem(x, weight) is None
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``x [M, K]`` and ``weight = [gate; up]`` ``[2N, K]``:
     ``[M, N]`` in ``x``'s dtype, as ``silu_and_mul(x @ weight.T)`` rounds it. Check
     ``gate_up_silu_fits`` first (the kernel itself runs anywhere Triton's descriptors do)."""
-    if not _shapes(x, weight):
-        raise ValueError(f"gate_up_silu cannot take x {tuple(x.shape)} {x.dtype} into weight {tuple(weight.shape)} "
-                         f"{weight.dtype}: both contiguous, 16-bit, of one dtype, weight [2N, K] with K a multiple "
-                         "of 8")
+    problem = _shape_problem(x, weight)
+    if problem:
+        raise ValueError(f"gate_up_silu: {problem}")
     m, k = x.shape
     n = weight.shape[0] // 2
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
