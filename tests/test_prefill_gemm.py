@@ -62,5 +62,5 @@ def test_gate_up_silu_gpu() -> None:
     _check(4096, 3072, 1024, torch.float16, "cuda")
     x = torch.randn(prefill_gemm.MIN_ROWS, 1024, dtype=torch.bfloat16, device="cuda")
     weight = torch.randn(6144, 1024, dtype=torch.bfloat16, device="cuda")
-    assert gate_up_silu_fits(x, weight) == (torch.cuda.get_device_capability()[0] == 9)
+    assert gate_up_silu_fits(x, weight)
     assert not gate_up_silu_fits(x[:-1], weight), "fewer rows than MIN_ROWS stay on cuBLAS"
