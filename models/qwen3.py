@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels.gemv import gemv_partials, gemv_partials_fits, norm_gemv, norm_gemv_fits
 from kernels.prefill_gemm import gate_up_silu, gate_up_silu_fits
-from kernels.skinny_gemm import skinny_gemm, skinny_gemm_fits, skinny_gemm_partials, split_k_fits
+from kernels.skinny_gemm import MAX_MACS, skinny_gemm, skinny_gemm_fits, skinny_gemm_partials, split_k_fits
 from models.activation import SiluAndMul
 from models.all_reduce import RankSum
 from models.attention import Attention
@@ -26,8 +26,18 @@ from models.rotary import RotaryEmbedding
 # Above this many multiply-adds (rows x weight elements) the qkv product stays on cuBLAS, whose tiles
 # fill the GPU there: through the skinny GEMM, Qwen3-4B's yardstick steps took 2.8% longer at batch
 # 65-128 and 1-3% at 33-64 (H100, docs/performance.md). This keeps Qwen3-0.6B's qkv on the skinny
-# GEMM up to 128 rows and the 4B's up to 34.
+# GEMM up to 128 rows and the 4B's up to 34, at every tensor-parallel size (``skinny_fits``).
 QKV_SKINNY_MAX_MACS = 2**29
+
+
+def skinny_fits(x: torch.Tensor, proj: nn.Module, max_macs: int = MAX_MACS) -> bool:
+    """Whether ``proj``'s product at these rows goes to the skinny GEMM: ``max_macs`` counts the
+    whole weight's multiply-adds on every rank, so a shard takes it up to the same rows as one GPU.
+
+    The skinny GEMM loses to cuBLAS past a row count, not past a product size: counting a rank's
+    shard let Qwen3-4B's qkv and gate/up through at up to twice the rows on two GPUs, and the
+    yardstick's steps at batch 33-64 took 7% longer (two H200s, docs/performance.md)."""
+    return skinny_gemm_fits(x, proj.weight, max_macs // proj.tp_size)
 
 
 def residual_branch_output(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor | RankSum:
@@ -91,7 +101,7 @@ class Qwen3Attention(nn.Module):
         else:
             hidden_states, residual = normalised(norm, hidden_states, residual)
             weight = self.qkv_proj.weight
-            if self.qkv_proj.bias is None and skinny_gemm_fits(hidden_states, weight, QKV_SKINNY_MAX_MACS):
+            if self.qkv_proj.bias is None and skinny_fits(hidden_states, self.qkv_proj, QKV_SKINNY_MAX_MACS):
                 # A small batch: the Triton product, which launches with PDL where cuBLAS would break
                 # the layer's chain of overlapping kernels (kernels.pdl).
                 qkv = skinny_gemm(hidden_states, weight)
@@ -116,7 +126,7 @@ class Qwen3MLP(nn.Module):
             activated, residual = fused
         else:
             x, residual = norm(x, residual)
-            if skinny_gemm_fits(x, self.gate_up_proj.weight):
+            if skinny_fits(x, self.gate_up_proj):
                 # A decode-sized batch: one kernel for the projection and the activation.
                 activated = skinny_gemm(x, self.gate_up_proj.weight, silu_mul=True)
             elif gate_up_silu_fits(x, self.gate_up_proj.weight):

@@ -21,6 +21,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +31,9 @@ from engine.config import Config, ConfigError
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
 from engine.tensor_parallel import WorkerError, _choose_all_reduce, start_ignoring_sigint
+import kernels.skinny_gemm as skinny_gemm_module
 from models.all_reduce import OneShotAllReduce
+from models.qwen3 import QKV_SKINNY_MAX_MACS, skinny_fits
 from tests.test_engine import GAP, MAX_TOKENS, greedy, prompts, reference, teacher_forced_mismatches  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +54,19 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_shard_takes_the_skinny_gemm_up_to_the_rows_one_gpu_does(tp, monkeypatch):
+    # The rule is the same rows at every size: Qwen3-4B's qkv (6,144 x 2,560) up to 34 rows, the
+    # 0.6B's gate/up (2 x 3,072 x 1,024) up to 341. Operands on the meta device carry the shapes; the
+    # CUDA check the kernels make is the only part taken out.
+    monkeypatch.setattr(skinny_gemm_module, "_tiled_for", lambda x: True)
+    for (rows, cols), max_macs, last_row in (((6144, 2560), QKV_SKINNY_MAX_MACS, 34),
+                                              ((6144, 1024), skinny_gemm_module.MAX_MACS, 341)):
+        shard = SimpleNamespace(weight=torch.empty(rows // tp, cols, device="meta"), tp_size=tp)
+        assert skinny_fits(torch.empty(last_row, cols, device="meta"), shard, max_macs)
+        assert not skinny_fits(torch.empty(last_row + 1, cols, device="meta"), shard, max_macs)
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused_before_anything_starts(tiny_checkpoint):
