@@ -19,7 +19,7 @@ from models.config import Qwen3Config
 from models.context import get_context
 from models.embed_head import ParallelLMHead, VocabParallelEmbedding
 from models.layernorm import RMSNorm
-from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.rotary import RotaryEmbedding
 
 
@@ -30,13 +30,13 @@ from models.rotary import RotaryEmbedding
 QKV_SKINNY_MAX_MACS = 2**29
 
 
-def skinny_fits(x: torch.Tensor, proj: nn.Module, max_macs: int = MAX_MACS) -> bool:
+def skinny_fits(x: torch.Tensor, proj: ColumnParallelLinear, max_macs: int = MAX_MACS) -> bool:
     """Whether ``proj``'s product at these rows goes to the skinny GEMM: ``max_macs`` counts the
     whole weight's multiply-adds on every rank, so a shard takes it up to the same rows as one GPU.
 
     The skinny GEMM loses to cuBLAS past a row count, not past a product size: counting a rank's
     shard let Qwen3-4B's qkv and gate/up through at up to twice the rows on two GPUs, and the
-    yardstick's steps at batch 33-64 took 7% longer (two H200s, docs/performance.md)."""
+    yardstick's steps at batch 33-64 took 7% longer than with the rule (two H200s, docs/performance.md)."""
     return skinny_gemm_fits(x, proj.weight, max_macs // proj.tp_size)
 
 
