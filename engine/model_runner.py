@@ -234,10 +234,13 @@ class ModelRunner:
     def compile_step_kernels(self) -> None:
         """Compile now every kernel variant a request's step can run (a compile stalls every request
         in its step, up to a second), beyond the decode graphs: prefills at the fewest rows of each
-        small-product tile (small prefill and mixed steps have row counts no graph has), mixed steps
-        at the fewest decode rows of each decode-kernel variant, and without graphs, decode steps at
-        the same. The K/V all go to block 0, which holds nothing yet (decode rows here are padding)."""
-        for rows in tile_rows(self.config.max_num_batched_tokens):
+        small-product tile (small prefill and mixed steps have row counts no graph has) and at the
+        most rows a step takes (large prefills take kernels of their own: on Hopper the TMA attention
+        and gate/up product from 4,096 rows), mixed steps at the fewest decode rows of each
+        decode-kernel variant, and without graphs, decode steps at the same. The K/V all go to block
+        0, which holds nothing yet (decode rows here are padding)."""
+        max_rows = self.config.max_num_batched_tokens
+        for rows in sorted({*tile_rows(max_rows), max_rows}):
             self._warm_step(0, rows)
         if self.backend.mixed_decode:
             for decode_rows in decode_batches(self.config.max_num_seqs - 1, self.num_kv_heads, self.device):

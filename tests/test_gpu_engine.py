@@ -13,6 +13,7 @@ float32 twin at 2-15% of positions.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 
@@ -210,17 +211,35 @@ def test_mixed_batching_matches_transformers_through_prefill_and_decode_in_one_s
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
+@contextlib.contextmanager
+def triton_compiles():
+    """The kernels Triton builds, or loads from its disk cache, while the block runs: every in-memory
+    cache miss, caught before it compiles."""
+    import triton
+
+    compiled: list[str] = []
+
+    def on_compile(*, repr: str, **_) -> bool:
+        compiled.append(repr)
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = on_compile
+    try:
+        yield compiled
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+
+
 @pytest.mark.parametrize("enforce_eager,num_blocks,max_num_seqs", [(False, -1, 8), (True, 600, 6)])
 def test_no_step_compiles_a_kernel_after_start_up(enforce_eager, num_blocks, max_num_seqs):
     """A Triton compile inside a step stalls every request in it (about a second on the 4B, seen as
     single slow first tokens in serving sweeps). Start-up compiles what any step runs: the decode
     graphs (or, eager, decode steps at each decode-kernel variant), the prefill path at each
-    small-product tile, mixed steps at each decode-kernel variant and the sampler's variants.
-    1,056 tokens a sequence is 66 blocks, so a mixed step's views of the block tables start at every
-    alignment; a pool of a given size skips the profiling prefill, which must not be what compiles
-    anything; six sequences put the decode inputs' temperatures at an offset not a multiple of 16."""
-    import triton
-
+    small-product tile and at the most rows a step takes, mixed steps at each decode-kernel variant
+    and the sampler's variants. 1,056 tokens a sequence is 66 blocks, so a mixed step's views of the
+    block tables start at every alignment; a pool of a given size skips the profiling prefill, which
+    must not be what compiles anything; six sequences put the decode inputs' temperatures at an
+    offset not a multiple of 16."""
     model_dir = ensure_checkpoint("tiny")
     llm = LLM(str(model_dir), kvcache_block_size=16, max_model_len=1056, gpu_memory_utilization=0.3,
               batching="mixed", max_num_batched_tokens=256, max_num_seqs=max_num_seqs,  # graphs of a few rows
@@ -228,33 +247,46 @@ def test_no_step_compiles_a_kernel_after_start_up(enforce_eager, num_blocks, max
     rows: set[int] = set()
     llm.events.subscribe(lambda e: rows.add(e.num_prefill_tokens + e.num_decode_tokens)
                          if e.kind == "step" and e.phase != "decode" else None)
-    compiled: list[str] = []
-
-    def on_compile(*, repr: str, **_) -> bool:  # an in-memory cache miss, before compiling
-        compiled.append(repr)
-        return False
-
-    triton.knobs.runtime.jit_cache_hook = on_compile
-    try:
-        rng = random.Random(3)
-        vocab = llm.model_config.vocab_size
-        # Each sampler variant too: greedy, temperature alone, top-k/top-p, seeded, both, min_tokens.
-        variants = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=20, top_p=0.9),
-                    dict(temperature=0.8, seed=7), dict(temperature=0.8, top_p=0.5, seed=9),
-                    dict(temperature=0.0, min_tokens=2)]
-        for i, n in enumerate(list(range(1, 40)) + [rng.randrange(40, 700) for _ in range(20)]):
-            params = SamplingParams(**variants[i % len(variants)], max_tokens=rng.randrange(2, 20), ignore_eos=True)
-            llm.add_request([rng.randrange(vocab) for _ in range(n)], params)
-            for _ in range(2):
-                if not llm.is_finished():
-                    llm.step()
-        while not llm.is_finished():
-            llm.step()
-    finally:
-        triton.knobs.runtime.jit_cache_hook = None
-        llm.close()
+    with triton_compiles() as compiled:
+        try:
+            rng = random.Random(3)
+            vocab = llm.model_config.vocab_size
+            # Each sampler variant too: greedy, temperature alone, top-k/top-p, seeded, both, min_tokens.
+            variants = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=20, top_p=0.9),
+                        dict(temperature=0.8, seed=7), dict(temperature=0.8, top_p=0.5, seed=9),
+                        dict(temperature=0.0, min_tokens=2)]
+            for i, n in enumerate(list(range(1, 40)) + [rng.randrange(40, 700) for _ in range(20)]):
+                params = SamplingParams(**variants[i % len(variants)], max_tokens=rng.randrange(2, 20), ignore_eos=True)
+                llm.add_request([rng.randrange(vocab) for _ in range(n)], params)
+                for _ in range(2):
+                    if not llm.is_finished():
+                        llm.step()
+            while not llm.is_finished():
+                llm.step()
+        finally:
+            llm.close()
     # Small prefill and mixed steps of many sizes (six sequences make fewer sizes than eight: 36 seen).
     assert len(rows) >= 30 and min(rows) < 16 < max(rows)
+    assert compiled == []
+
+
+def test_a_large_prefill_compiles_nothing_after_start_up():
+    """From 4,096 rows a prefill step takes kernels of its own on Hopper (the attention's TMA loads,
+    the gate/up product with SiLU in its epilogue): start-up runs a step of the most rows a step
+    takes, so a server's first long prompt, or a benchmark's first timed run on a fresh machine,
+    does not wait for a compile."""
+    model_dir = ensure_checkpoint("qwen3-0.6b")
+    llm = LLM(str(model_dir), kvcache_block_size=256, max_model_len=4608, max_num_batched_tokens=8192,
+              gpu_memory_utilization=0.5)
+    rows: list[int] = []
+    llm.events.subscribe(lambda e: rows.append(e.num_prefill_tokens) if e.kind == "step" else None)
+    with triton_compiles() as compiled:
+        try:
+            prompts = prompts_for(llm.model_config.vocab_size, [4000, 3000, 700], seed=4)
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        finally:
+            llm.close()
+    assert max(rows) >= 4096, rows
     assert compiled == []
 
 
