@@ -200,16 +200,28 @@ class ModelRunner:
         return (self.config.kv_offloading_staging_blocks * self.block_bytes
                 + OffloadingHandler.load_staging_bytes(self.block_bytes))
 
+    @property
+    def max_step_rows(self) -> int:
+        """The most tokens a step computes: ``max_num_batched_tokens``, or ``max_num_seqs`` requests of
+        ``max_model_len`` if fewer."""
+        config = self.config
+        return min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+
+    def _prompt_lengths(self, rows: int) -> list[int]:
+        # As many requests of the longest length as fit, then the rest: the shape of a step's largest
+        # prefill, which both the memory profile and the warm-up must see.
+        longest = self.config.max_model_len
+        return [longest] * (rows // longest) + ([rows % longest] if rows % longest else [])
+
     @torch.inference_mode()
     def warmup_model(self) -> None:
-        max_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
-        cu = torch.arange(0, (num_seqs + 1) * max_len, max_len, dtype=torch.int32, device=self.device)
-        set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
-                            max_seqlen_k=max_len))
-        input_ids = torch.zeros(num_seqs * max_len, dtype=torch.int64, device=self.device)
-        positions = torch.arange(max_len, device=self.device).repeat(num_seqs)
-        self.model.compute_logits(self.model(input_ids, positions))
+        """The memory profile's forward: the largest prefill a step takes, without a KV cache."""
+        lengths = self._prompt_lengths(self.max_step_rows)
+        cu = torch.tensor(np.concatenate(([0], np.cumsum(lengths))), dtype=torch.int32, device=self.device)
+        set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                            max_seqlen_k=max(lengths)))
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
         reset_context()
         torch.cuda.synchronize(self.device)
 
@@ -239,24 +251,21 @@ class ModelRunner:
         and gate/up product from 4,096 rows), mixed steps at the fewest decode rows of each
         decode-kernel variant, and without graphs, decode steps at the same. The K/V all go to block
         0, which holds nothing yet (decode rows here are padding)."""
-        max_rows = self.config.max_num_batched_tokens
-        for rows in sorted({*tile_rows(max_rows), max_rows}):
+        config = self.config
+        for rows in sorted({*tile_rows(config.max_num_batched_tokens), self.max_step_rows}):
             self._warm_step(0, rows)
         if self.backend.mixed_decode:
-            for decode_rows in decode_batches(self.config.max_num_seqs - 1, self.num_kv_heads, self.device):
+            for decode_rows in decode_batches(config.max_num_seqs - 1, self.num_kv_heads, self.device):
                 self._warm_step(decode_rows, 1)
-        if self.config.enforce_eager:
-            self.decode_inputs.stage([], self.config.max_num_seqs, {}, self.block_size)
-            for rows in decode_batches(self.config.max_num_seqs, self.num_kv_heads, self.device):
+        if config.enforce_eager:
+            self.decode_inputs.stage([], config.max_num_seqs, {}, self.block_size)
+            for rows in decode_batches(config.max_num_seqs, self.num_kv_heads, self.device):
                 self.decode_forward(rows)
         torch.cuda.synchronize(self.device)
 
     def _warm_step(self, decode_rows: int, prompt_rows: int) -> None:
         # The prompt rows in sequences no longer than a request can be, so that block tables hold them.
-        longest = self.config.max_model_len
-        q_lens = [1] * decode_rows + [longest] * (prompt_rows // longest)
-        if prompt_rows % longest:
-            q_lens.append(prompt_rows % longest)
+        q_lens = [1] * decode_rows + self._prompt_lengths(prompt_rows)
         cu = torch.tensor(np.concatenate(([0], np.cumsum(q_lens))), dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(n) for n in q_lens]).to(self.device)
         set_context(Context(

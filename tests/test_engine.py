@@ -554,3 +554,26 @@ def test_an_interrupt_at_any_event_leaves_no_block_held(tiny_checkpoint):
         assert sorted(bm.free_block_ids) == list(range(bm.num_blocks))
     llm.reset_prefix_cache()
     assert llm.generate(prompts_, params, use_tqdm=False) == expected
+
+
+@pytest.mark.parametrize("batching", ["prefill-first", "mixed"])
+@pytest.mark.parametrize("max_num_seqs", [2, 8])
+def test_no_step_is_larger_than_the_one_start_up_profiles_and_warms(tiny_checkpoint, batching, max_num_seqs):
+    """On a GPU the KV pool is sized from a forward of ``max_step_rows`` tokens, and start-up compiles
+    the kernels of large steps with a step of that many: a larger step could run out of memory or
+    stop to compile. Mixed batching fills the token budget: where the budget binds, a step reaches
+    the bound."""
+    llm = LLM(str(tiny_checkpoint), max_model_len=300, max_num_batched_tokens=1024, max_num_seqs=max_num_seqs,
+              kvcache_block_size=16, batching=batching)
+    rows = []
+    llm.events.subscribe(lambda e: rows.append(e.num_prefill_tokens + e.num_decode_tokens) if e.kind == "step" else None)
+    rng = random.Random(0)
+    llm.generate([[rng.randrange(4000) for _ in range(299)] for _ in range(6)], SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+    runner = llm.model_runner
+    assert runner.max_step_rows == min(1024, max_num_seqs * 300)
+    lengths = runner._prompt_lengths(runner.max_step_rows)
+    assert sum(lengths) == runner.max_step_rows and max(lengths) <= 300 and len(lengths) <= max_num_seqs
+    assert max(rows) <= runner.max_step_rows
+    if batching == "mixed" and max_num_seqs * 300 > 1024:
+        assert max(rows) == runner.max_step_rows
