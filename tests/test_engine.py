@@ -563,10 +563,11 @@ def test_no_step_is_larger_than_the_one_start_up_profiles_and_warms(tiny_checkpo
     the kernels of large steps with a step of that many: a larger step could run out of memory or
     stop to compile. Mixed batching fills the token budget: where the budget binds, a step reaches
     the bound."""
-    llm = LLM(str(tiny_checkpoint), max_model_len=300, max_num_batched_tokens=1024, max_num_seqs=max_num_seqs,
-              kvcache_block_size=16, batching=batching)
+    llm = LLM(str(tiny_checkpoint), max_model_len=300, max_num_batched_tokens=1024,
+              max_num_seqs=max_num_seqs, kvcache_block_size=16, batching=batching)
     rows = []
-    llm.events.subscribe(lambda e: rows.append(e.num_prefill_tokens + e.num_decode_tokens) if e.kind == "step" else None)
+    llm.events.subscribe(lambda e: rows.append(e.num_prefill_tokens + e.num_decode_tokens)
+                         if e.kind == "step" else None)
     rng = random.Random(0)
     llm.generate([[rng.randrange(4000) for _ in range(299)] for _ in range(6)], SamplingParams(max_tokens=1),
                  use_tqdm=False)
