@@ -10,7 +10,11 @@ batch shape and the split count, and sequence lengths are read on the device. Ea
 K/V tile is read once for the whole GQA group and ``tl.dot`` gets at least 16 rows.
 ``decode_attention_from_qkv`` runs the same kernel on the qkv projection's rows instead of q: each
 program applies QK-norm and rotary to its query heads and stores the new token's K/V, which saves
-``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches).
+``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches). At a
+batch of one its programs also read their first K/V tile, the step's inputs and the rotary angles
+before the PDL wait (none is written by a kernel of the step; the new token, stored after the wait,
+is patched into the tile from registers), so only the qkv row is read after it: single-stream decode
+steps of Qwen3-0.6B 0.814 -> 0.759 ms (median) on an H100 (docs/performance.md).
 
 Prefill on Hopper loads each whole K/V tile with one TMA copy through a tensor descriptor of the
 cache (``tma``, for calls of ``TMA_MIN_QUERIES`` or more): 5-7% less kernel time than pointer loads
@@ -86,6 +90,21 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _attend_decode_tile(q, k, v, valid, m, l, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One tile of keys and values into the running maximum ``m``, denominator ``l`` and output
+    ``acc`` (online softmax); the tile holds at least one valid token, so the new maximum is finite and
+    exp2 never sees inf - inf."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -125,42 +144,27 @@ def _decode_kernel(
     FROM_QKV: tl.constexpr,
     PDL: tl.constexpr,
     LAUNCH_FIRST: tl.constexpr,  # PDL: let the next kernel launch before this one waits
+    PRELOAD: tl.constexpr,  # FROM_QKV: read what no kernel of the step writes before the PDL wait
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
-    if PDL:  # everything below reads or writes what other kernels do (kernels.pdl)
+    if PDL:
         if LAUNCH_FIRST:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-        if not LAUNCH_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
+        if not PRELOAD:  # everything below reads or writes what other kernels do (kernels.pdl)
+            tl.extra.cuda.gdc_wait()
+            if not LAUNCH_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
+    # With PRELOAD, everything up to its wait below reads the step's inputs (copied in before its
+    # first kernel), the rotary table and the K/V of earlier steps. The one K/V row a step writes is
+    # its new token's, which this kernel stores after the wait and patches into the preloaded tile.
     ctx = tl.load(context_lens_ptr + seq)
-
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    if FROM_QKV:
-        # ``q_ptr`` holds qkv projection rows: QK-norm and rotary happen here, on the group's heads,
-        # rounded as ``norm_rope_store`` rounds them, so they cost no kernel and no q round trip.
-        dtype = q_ptr.dtype.element_ty
-        half = tl.arange(0, HEAD_DIM // 2)
-        pos = tl.load(positions_ptr + seq).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + half).to(dtype).to(tl.float32)[None, :]
-        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HEAD_DIM // 2 + half).to(dtype).to(tl.float32)[None, :]
-        qkv_row = q_ptr + seq64 * q_stride_seq
-        q1, q2 = norm_rope_heads(qkv_row + kv_head * GROUP * HEAD_DIM, rows, GROUP, q_norm_ptr, cos, sin, eps, half,
-                                 HEAD_DIM)
-        q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
-    else:
-        q = tl.load(
-            q_ptr + seq64 * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :],
-            mask=row_mask[:, None],
-            other=0.0,
-        )
-
     if NUM_SPLITS == 1:
         lo = 0
         hi = ctx
@@ -169,47 +173,81 @@ def _decode_kernel(
         per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE) * TILE
         lo = split * per_split
         hi = tl.minimum(lo + per_split, ctx)
+    toks = tl.arange(0, TILE)
+    bt_row = block_tables_ptr + seq64 * bt_stride
+    if PRELOAD:
+        # The range's first tile. An empty split (lo past the context) reads no K/V, and its
+        # block-table read stays inside its row.
+        first_valid = lo + toks < hi
+        first = tl.where(lo < hi, lo, 0)
+        k_first = _load_kv_tile(k_cache_ptr, bt_row, first, toks, first_valid, dims, kv_head,
+                                kc_stride_block, kc_stride_slot, kc_stride_head, BLOCK_SIZE, TILE)
+        v_first = _load_kv_tile(v_cache_ptr, bt_row, first, toks, first_valid, dims, kv_head,
+                                vc_stride_block, vc_stride_slot, vc_stride_head, BLOCK_SIZE, TILE)
     if FROM_QKV:
-        # The program whose range holds this step's token (position ctx - 1) normalises, rotates
-        # and stores its K/V head, then reads it back with the rest of the context.
-        if (ctx - 1 >= lo) & (ctx - 1 < hi):
-            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-            if slot >= 0:
-                num_q_heads = GROUP * tl.num_programs(1)
-                one = tl.arange(0, 1)
-                k1, k2 = norm_rope_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM, one, 1, k_norm_ptr, cos, sin,
-                                         eps, half, HEAD_DIM)
-                block = slot // BLOCK_SIZE
-                offset = slot % BLOCK_SIZE
-                k_dst = (k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kv_head * kc_stride_head
-                         + half[None, :])
-                tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(k_dst + HEAD_DIM // 2, k2.to(k_cache_ptr.dtype.element_ty))
-                v = tl.load(qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + dims)
-                tl.store(v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + kv_head * vc_stride_head
-                         + dims, v.to(v_cache_ptr.dtype.element_ty))
+        dtype = q_ptr.dtype.element_ty
+        half = tl.arange(0, HEAD_DIM // 2)
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + half).to(dtype).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HEAD_DIM // 2 + half).to(dtype).to(tl.float32)[None, :]
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        # The program whose range holds this step's token (position ctx - 1) normalises, rotates and
+        # stores its K/V head; a slot of -1 stores nothing.
+        owner = (ctx - 1 >= lo) & (ctx - 1 < hi) & (slot >= 0)
+    if PDL and PRELOAD:
+        tl.extra.cuda.gdc_wait()
+        if not LAUNCH_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+    if FROM_QKV:
+        # ``q_ptr`` holds qkv projection rows: QK-norm and rotary happen here, on the group's heads,
+        # rounded as ``norm_rope_store`` rounds them, so they cost no kernel and no q round trip.
+        qkv_row = q_ptr + seq64 * q_stride_seq
+        q1, q2 = norm_rope_heads(qkv_row + kv_head * GROUP * HEAD_DIM, rows, GROUP, q_norm_ptr, cos, sin, eps, half,
+                                 HEAD_DIM)
+        q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+        if owner:
+            num_q_heads = GROUP * tl.num_programs(1)
+            k1, k2 = norm_rope_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM, tl.arange(0, 1), 1, k_norm_ptr,
+                                     cos, sin, eps, half, HEAD_DIM)
+            k_new = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (1, HEAD_DIM)).to(k_cache_ptr.dtype.element_ty)
+            v_new = tl.load(qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + dims)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            tl.store(k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kv_head * kc_stride_head
+                     + dims[None, :], k_new)
+            tl.store(v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + kv_head * vc_stride_head
+                     + dims, v_new)
+        else:
+            k_new = tl.zeros([1, HEAD_DIM], k_cache_ptr.dtype.element_ty)
+            v_new = tl.zeros([HEAD_DIM], v_cache_ptr.dtype.element_ty)
         tl.debug_barrier()  # other threads of this program load what was just stored
+    else:
+        q = tl.load(
+            q_ptr + seq64 * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+        )
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    toks = tl.arange(0, TILE)
-    bt_row = block_tables_ptr + seq64 * bt_stride
-    for start in range(lo, hi, TILE):
+    rest = lo  # where the tiles read after the wait start
+    if PRELOAD:
+        if lo < hi:
+            # The new token in the preloaded tile (read before it was stored) comes from registers.
+            is_new = ((lo + toks == ctx - 1) & owner)[:, None]
+            k_first = tl.where(is_new, k_new, k_first)
+            v_first = tl.where(is_new, v_new[None, :], v_first)
+            m, l, acc = _attend_decode_tile(q, k_first, v_first, first_valid, m, l, acc, scale_log2, DOT_PRECISION)
+        rest = lo + TILE
+    for start in range(rest, hi, TILE):
         valid = start + toks < hi
         k = _load_kv_tile(k_cache_ptr, bt_row, start, toks, valid, dims, kv_head,
                           kc_stride_block, kc_stride_slot, kc_stride_head, BLOCK_SIZE, TILE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile holds a valid token, so m_new is finite and exp2 never sees inf - inf.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
         v = _load_kv_tile(v_cache_ptr, bt_row, start, toks, valid, dims, kv_head,
                           vc_stride_block, vc_stride_slot, vc_stride_head, BLOCK_SIZE, TILE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _attend_decode_tile(q, k, v, valid, m, l, acc, scale_log2, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         # Padding rows (ctx == 0) have acc == 0 and l == 0: they come out as zeros.
@@ -431,7 +469,9 @@ def _launches_first(batch: int) -> bool:
     """Whether the decode kernels let the next kernel launch before they wait: a batch this small
     runs its products through kernels.gemv, whose programs load their weights before their wait, so
     o_proj's weights stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms;
-    docs/performance.md). One rule for the launches and for the variants warmed at start-up."""
+    docs/performance.md). Attention from qkv then also reads its first K/V tile before its wait (the
+    kernel's PRELOAD), whose registers (168 a thread against 88) a larger grid would pay for in
+    occupancy. One rule for the launches and for the variants warmed at start-up."""
     return batch <= gemv.MAX_ROWS
 
 
@@ -584,6 +624,7 @@ def _launch_decode(
         FROM_QKV=rope is not None,
         PDL=pdl,
         LAUNCH_FIRST=launch_first,
+        PRELOAD=_launches_first(batch) and rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

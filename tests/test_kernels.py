@@ -296,6 +296,12 @@ def test_decode_from_qkv_cpu(block_size: int, num_heads: int, num_kv_heads: int,
         for splits in (1, 4):
             _check_decode_from_qkv(ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
                                    num_splits=splits)
+    # One row takes the path that reads its first K/V tile before the new token is stored and patches
+    # the token in: the token first in that tile, inside it, past it (a later tile), and splits left empty.
+    for seed, length in enumerate((1, block_size + 1, 70, 150)):
+        for splits in (1, 16):
+            _check_decode_from_qkv([length], num_heads, num_kv_heads, head_dim, block_size, torch.float16, "cpu",
+                                   seed, num_splits=splits)
 
 
 @pytest.mark.usefixtures("cpu")

@@ -52,11 +52,15 @@ def compile_pdl_kernels() -> None:
             vc_stride_head=i32, bt_stride=i32, positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
             k_norm_ptr="*bf16", cos_sin_ptr="*fp32", eps=f32, cos_sin_stride=i32),
             dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=4,
-                 DOT_PRECISION="ieee", FROM_QKV=True, LAUNCH_FIRST=False)),
+                 DOT_PRECISION="ieee", FROM_QKV=True, LAUNCH_FIRST=False, PRELOAD=False)),
         "decode_reduce": (_decode_reduce_kernel, dict(
             out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", o_stride_seq=i32,
             o_stride_head=i32), dict(HEAD_DIM=128, NUM_SPLITS=4, LAUNCH_FIRST=True)),
     }
+    # At a batch of one (16 splits over blocks of 256): the inputs and the first K/V tile before the wait.
+    decode_kernel, decode_signature, decode_constexprs = kernels["decode"]
+    kernels["decode_preload"] = (decode_kernel, decode_signature, {
+        **decode_constexprs, "BLOCK_SIZE": 256, "NUM_SPLITS": 16, "LAUNCH_FIRST": True, "PRELOAD": True})
     found = {}
     for name, (kernel, signature, constexprs) in kernels.items():
         extra = {"PREFETCH": True} if name == "skinny_gemm" else {}
@@ -85,15 +89,19 @@ def compile_pdl_kernels() -> None:
 def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
     found = json.loads(run_compiled("from tests.test_pdl import compile_pdl_kernels; compile_pdl_kernels()")
                        .splitlines()[-1])
-    assert set(found) == {"skinny_gemm", "gemv", "rms_norm", "decode", "decode_reduce"}
+    assert set(found) == {"skinny_gemm", "gemv", "rms_norm", "decode", "decode_reduce", "decode_preload"}
     for name, kernel in found.items():
-        allowed = {"skinny_gemm": ["prefetch.global.L2"], "gemv": ["ld.global.v4.b32"]}.get(name, [])
+        allowed = {"skinny_gemm": ["prefetch.global.L2"], "gemv": ["ld.global.v4.b32"],
+                   # The step's inputs (int32 and int64), the rotary table and the first K/V tile
+                   # (16-bit): loads only, none of them written by a kernel of the step.
+                   "decode_preload": ["ld.global.b16", "ld.global.b32", "ld.global.b64"]}.get(name, [])
         assert kernel["before_wait"] == allowed, name
         assert kernel["launches_dependents"] and not kernel["without_pdl"], name
     # 32 gate and 32 up rows, 8 lines each, over 128 threads: 4 prefetches a thread.
     assert found["skinny_gemm"]["prefetches"] == 4
     # The gemv, and decode attention at its batch sizes, let the next kernel launch before they wait.
-    assert [name for name, kernel in found.items() if kernel["launches_first"]] == ["gemv", "decode_reduce"]
+    assert [name for name, kernel in found.items() if kernel["launches_first"]] == [
+        "gemv", "decode_reduce", "decode_preload"]
     # The gemv's weights and nothing else: 16 rows of 1,024 bf16 over 256 threads, 16 bytes a load.
     assert found["gemv"]["loads"] == 16 * 1024 * 2 // (256 * 16)
 
