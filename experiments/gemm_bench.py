@@ -11,6 +11,9 @@ measured in the same run.
 
     python -m experiments.gemm_bench [--rows 1 16 64 256] [--sweep] [--preset qwen3-0.6b] [--prefill-rows 16384]
 
+With 1 among ``--rows`` it also times the batch-1 path (``kernels.gemv``): each product chained
+over the layers, then a layer's four products chained, against their weights' floor.
+
 ``--sweep`` times every tile candidate of each product (with ``--rows`` up to 128, the split-K
 tiles of o and down with the norm that adds their partials) and prints the three fastest after what
 the engine picks. ``--prefill-rows`` times prefill's gate_up+silu at those rows: cuBLAS and the SiLU
@@ -30,6 +33,7 @@ import triton
 
 from experiments.attention_bench import copy_bandwidth
 from kernels.activation import silu_and_mul
+from kernels.gemv import gemv_partials, norm_gemv
 from kernels.prefill_gemm import gate_up_silu
 from kernels.rms_norm import rms_norm
 from kernels.skinny_gemm import (
@@ -170,6 +174,54 @@ def bench(proj: Projection, m: int, layers: int, copy_bw: float, sweep: bool) ->
     print(line, flush=True)
 
 
+def bench_gemv_layer(config: Qwen3Config, copy_bw: float) -> None:
+    """The batch-1 path (``kernels.gemv``): each product as the engine calls it at one row (qkv and
+    gate_up+SiLU with the norm inside, o and down leaving split-K partials), one copy per layer chained
+    in one graph, then a layer's four chained with attention's output stood in by a constant: what the
+    products cost at one row, every boundary between them included, against the weights' floor."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    if hidden & (hidden - 1):
+        print(f"gemv: skipped, hidden size {hidden} is not a power of two (the engine's gemv takes o_proj alone)")
+        return
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q_size = config.num_attention_heads * config.head_dim
+    qkv_n = q_size + 2 * config.num_key_value_heads * config.head_dim
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, dtype=DTYPE, device="cuda", generator=gen) * k**-0.5
+
+    layers = [dict(qkv=weight(qkv_n, hidden), o=weight(hidden, q_size), gate_up=weight(2 * intermediate, hidden),
+                   down=weight(hidden, intermediate)) for _ in range(config.num_hidden_layers)]
+    norm_weight = torch.ones(hidden, dtype=DTYPE, device="cuda")
+    residual = torch.randn(1, hidden, dtype=DTYPE, device="cuda", generator=gen)
+    attn = torch.randn(1, q_size, dtype=DTYPE, device="cuda", generator=gen)
+    act = torch.randn(1, intermediate, dtype=DTYPE, device="cuda", generator=gen)
+    down_partials = gemv_partials(act, layers[0]["down"])
+    o_partials = gemv_partials(attn, layers[0]["o"])
+    eps = config.rms_norm_eps
+    products = [
+        ("qkv", "qkv", lambda w: norm_gemv(down_partials, residual, norm_weight, eps, w)),
+        ("o", "o", lambda w: gemv_partials(attn, w)),
+        ("gate_up+silu", "gate_up", lambda w: norm_gemv(o_partials, residual, norm_weight, eps, w, silu_mul=True)),
+        ("down", "down", lambda w: gemv_partials(act, w)),
+    ]
+    layer_floor = 0.0
+    for name, key, call in products:
+        floor_us = layers[0][key].numel() * 2 / copy_bw * 1e6
+        layer_floor += floor_us
+        us = graph_us([lambda w=layer[key], call=call: call(w) for layer in layers])
+        print(f"gemv {name:>12} M=1 floor {floor_us:6.2f} us | chained {us:6.2f} us ({floor_us / us:4.0%})", flush=True)
+
+    def layer_calls(layer: dict) -> None:  # the engine's order and data flow, attention aside
+        _, res = norm_gemv(down_partials, residual, norm_weight, eps, layer["qkv"])
+        a, _ = norm_gemv(gemv_partials(attn, layer["o"]), res, norm_weight, eps, layer["gate_up"], silu_mul=True)
+        gemv_partials(a, layer["down"])
+
+    us = graph_us([lambda layer=layer: layer_calls(layer) for layer in layers])
+    print(f"gemv  a layer's four M=1 floor {layer_floor:6.2f} us | chained {us:6.2f} us ({layer_floor / us:4.0%})",
+          flush=True)
+
+
 def bench_prefill(config: Qwen3Config, m: int, rounds: int = 3) -> None:
     """gate_up+silu at a prefill step's ``m`` rows: cuBLAS then ``silu_and_mul`` (the engine's path
     below ``prefill_gemm.MIN_ROWS`` rows) against ``kernels.prefill_gemm``, in alternating rounds."""
@@ -214,6 +266,8 @@ def main() -> None:
     for m in args.rows:
         for proj in projections(config):
             bench(proj, m, config.num_hidden_layers, copy_bw, args.sweep)
+    if 1 in args.rows:
+        bench_gemv_layer(config, copy_bw)
     for m in args.prefill_rows:
         bench_prefill(config, m)
 
