@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments import bench, floor_bench, kv_offload_bench
+from experiments import bench, floor_bench, kv_offload_bench, sync_bench
 from experiments.bench import decode_by_batch, decode_floor, decode_step_reads, weight_bytes_per_step
 from models.checkpoint import PRESETS
+from tests.hopper import run_compiled
 
 TINY = PRESETS["tiny"]
 KV_PER_TOKEN = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.head_dim * 2  # bf16
@@ -84,6 +85,31 @@ def test_the_floor_bench_needs_cuda_and_says_so(monkeypatch, capsys):
         floor_bench.main([])
     assert exit_info.value.code == 2
     assert "floor_bench measures against the GPU's own floors: it needs CUDA" in capsys.readouterr().err
+
+
+def test_the_sync_bench_needs_cuda_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sync_bench.main([]) == 2
+    assert "sync_bench times GPU hand-overs: it needs CUDA" in capsys.readouterr().err
+
+
+def compile_grid_barrier() -> None:
+    """Prints the persistent kernel's synchronising instructions, compiled for an H100, per variant."""
+    from tests.hopper import hopper_ptx, ptx_op
+
+    for one_poller in (False, True):
+        ptx = hopper_ptx(sync_bench._persistent_kernel, {"buf": "*fp32", "counter": "*i32"},
+                         dict(STEPS=4, N=1056, N_POW2=2048, BLOCK=8, PROGRAMS=132, SYNC=True, ONE_POLLER=one_poller))
+        ops = [ptx_op(line) for line in ptx.splitlines() if "atom." in line or ".acquire." in line]
+        print(one_poller, sorted(set(ops)))
+
+
+def test_the_sync_benchs_grid_barrier_releases_and_acquires_at_gpu_scope():
+    """Each program's count is a release add at GPU scope and the spin acquires at GPU scope, so a step
+    reads only what every program wrote before counting in (cooperative groups' grid sync pattern)."""
+    out = run_compiled("from tests.test_bench import compile_grid_barrier; compile_grid_barrier()").splitlines()
+    assert out == ["False ['atom.global.gpu.release.add.u32', 'ld.global.acquire.gpu.b32']",
+                   "True ['atom.global.gpu.release.add.u32', 'ld.global.acquire.gpu.b32']"]
 
 
 def test_the_floor_bench_refuses_float32(monkeypatch, capsys):
