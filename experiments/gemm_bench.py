@@ -212,7 +212,7 @@ def bench_gemv_layer(config: Qwen3Config, copy_bw: float) -> None:
         us = graph_us([lambda w=layer[key], call=call: call(w) for layer in layers])
         print(f"gemv {name:>12} M=1 floor {floor_us:6.2f} us | chained {us:6.2f} us ({floor_us / us:4.0%})", flush=True)
 
-    def layer_calls(layer: dict) -> None:  # the engine's order and data flow, attention aside
+    def layer_calls(layer: dict) -> None:  # the engine's order; every layer's qkv reads the same partials
         _, res = norm_gemv(down_partials, residual, norm_weight, eps, layer["qkv"])
         a, _ = norm_gemv(gemv_partials(attn, layer["o"]), res, norm_weight, eps, layer["gate_up"], silu_mul=True)
         gemv_partials(a, layer["down"])

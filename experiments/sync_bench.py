@@ -41,8 +41,11 @@ import triton.language as tl
 
 # A synchronised variant further than this from the float64 steps read a stale vector somewhere.
 TOLERANCE = 1e-4
-# Programs of 128 threads and few registers: sixteen fit an SM; half that leaves room to spare.
+# Every program of the persistent kernel must be resident at once, or the barrier never fills. Each
+# thread holds the vector (up to MAX_ELEMENTS, padded to a power of two, over 128 threads): at 4,096
+# elements ptxas gives the kernel 56 registers (sm_90a), so nine programs fit an SM's 64 Ki.
 MAX_PROGRAMS_PER_SM = 8
+MAX_ELEMENTS = 4096
 
 
 @triton.jit
@@ -185,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = args.programs or sms
     if not 1 <= programs <= MAX_PROGRAMS_PER_SM * sms:
-        # The barrier waits for every program: one left unscheduled behind the others hangs it.
         parser.error(f"--programs {programs}: 1 to {MAX_PROGRAMS_PER_SM * sms} ({MAX_PROGRAMS_PER_SM} a SM on this "
                      "GPU), so that every program of the persistent kernel is resident at once")
+    if triton.next_power_of_2(programs * args.block) > MAX_ELEMENTS:
+        parser.error(f"--programs {programs} x --block {args.block}: at most {MAX_ELEMENTS} elements (padded to a "
+                     "power of two), so that the persistent kernel's programs all fit the GPU at once")
     rounds = [measure(args.steps, programs, args.block, args.iters) for _ in range(args.rounds)]
     print(f"{torch.cuda.get_device_name()}: {args.steps} steps, {programs} programs, "
           f"{programs * args.block} elements")

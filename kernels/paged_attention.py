@@ -13,8 +13,9 @@ program applies QK-norm and rotary to its query heads and stores the new token's
 ``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches). At a
 batch of one its programs also read their first K/V tile, the step's inputs and the rotary angles
 before the PDL wait (none is written by a kernel of the step; the new token, stored after the wait,
-is patched into the tile from registers), so only the qkv row is read after it: single-stream decode
-steps of Qwen3-0.6B 0.814 -> 0.759 ms (median) on an H100 (docs/performance.md).
+is patched into the tile from registers), so up to 1,024 tokens (16 splits of one 64-token tile) only
+the qkv row is read after it: single-stream decode steps of Qwen3-0.6B 0.814 -> 0.759 ms (median) on
+an H100 (docs/performance.md).
 
 Prefill on Hopper loads each whole K/V tile with one TMA copy through a tensor descriptor of the
 cache (``tma``, for calls of ``TMA_MIN_QUERIES`` or more): 5-7% less kernel time than pointer loads
@@ -471,7 +472,8 @@ def _launches_first(batch: int) -> bool:
     o_proj's weights stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms;
     docs/performance.md). Attention from qkv then also reads its first K/V tile before its wait (the
     kernel's PRELOAD), whose registers (168 a thread against 88) a larger grid would pay for in
-    occupancy. One rule for the launches and for the variants warmed at start-up."""
+    occupancy; without PDL (the CPU, GPUs before Hopper) that path only orders its loads so. One rule
+    for the launches and for the variants warmed at start-up."""
     return batch <= gemv.MAX_ROWS
 
 

@@ -297,8 +297,10 @@ def test_decode_from_qkv_cpu(block_size: int, num_heads: int, num_kv_heads: int,
             _check_decode_from_qkv(ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
                                    num_splits=splits)
     # One row takes the path that reads its first K/V tile before the new token is stored and patches
-    # the token in: the token first in that tile, inside it, past it (a later tile), and splits left empty.
-    for seed, length in enumerate((1, block_size + 1, 70, 150)):
+    # the token in: the token first in that tile, inside it, past it (a later tile), splits left empty,
+    # and a padding row.
+    assert attn._launches_first(1) and not attn._launches_first(2)
+    for seed, length in enumerate((1, block_size + 1, 70, 150, 0)):
         for splits in (1, 16):
             _check_decode_from_qkv([length], num_heads, num_kv_heads, head_dim, block_size, torch.float16, "cpu",
                                    seed, num_splits=splits)

@@ -7,6 +7,7 @@ has no grid-dependency control at all. On the GPU: CUDA graphs of PDL launches e
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -67,7 +68,7 @@ def compile_pdl_kernels() -> None:
         # As the engine launches them: pointers and strides 16-byte aligned (Triton specialises
         # them so, which turns the GEMM's loads into cp.async pipelines), its pipeline depths.
         aligned = tuple(i for i, (arg, kind) in enumerate(signature.items())
-                        if kind.startswith("*") or arg.startswith("stride") or arg in ("N", "K_PER_SPLIT"))
+                        if kind.startswith("*") or "stride" in arg or arg in ("N", "K_PER_SPLIT"))
         options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": 8 if name == "gemv" else 4}
         on = hopper_ptx(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
                         **options).splitlines()
@@ -80,6 +81,7 @@ def compile_pdl_kernels() -> None:
         before = [op for op in ops if not op.startswith((".", "cvta"))]
         found[name] = {"before_wait": sorted(set(before)), "prefetches": sum("prefetch.global.L2" in line for line in on[:wait]),
                        "loads": sum(op.startswith("ld.global") for op in before),
+                       "load_ops": dict(collections.Counter(op for op in before if op.startswith("ld.global"))),
                        "launches_dependents": any("griddepcontrol.launch_dependents" in line for line in on),
                        "launches_first": any("griddepcontrol.launch_dependents" in line for line in on[:wait]),
                        "without_pdl": "griddepcontrol" in off}
@@ -92,9 +94,9 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
     assert set(found) == {"skinny_gemm", "gemv", "rms_norm", "decode", "decode_reduce", "decode_preload"}
     for name, kernel in found.items():
         allowed = {"skinny_gemm": ["prefetch.global.L2"], "gemv": ["ld.global.v4.b32"],
-                   # The step's inputs (int32 and int64), the rotary table and the first K/V tile
-                   # (16-bit): loads only, none of them written by a kernel of the step.
-                   "decode_preload": ["ld.global.b16", "ld.global.b32", "ld.global.b64"]}.get(name, [])
+                   # The step's inputs, the rotary table and the first K/V tile: loads only, none of
+                   # them written by a kernel of the step (counted below).
+                   "decode_preload": ["ld.global.b32", "ld.global.b64", "ld.global.v4.b32"]}.get(name, [])
         assert kernel["before_wait"] == allowed, name
         assert kernel["launches_dependents"] and not kernel["without_pdl"], name
     # 32 gate and 32 up rows, 8 lines each, over 128 threads: 4 prefetches a thread.
@@ -104,6 +106,12 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
         "gemv", "decode_reduce", "decode_preload"]
     # The gemv's weights and nothing else: 16 rows of 1,024 bf16 over 256 threads, 16 bytes a load.
     assert found["gemv"]["loads"] == 16 * 1024 * 2 // (256 * 16)
+    # Decode attention at one row: the context length and one block-table entry (32-bit), the position
+    # and the slot (64-bit), a 64 x 128 bf16 K tile and V tile over 128 threads (8 + 8 16-byte loads),
+    # and the rotary cos and sin (64 float32 each: two 16-byte loads and one 4-byte load apiece). A read
+    # of the qkv row before the wait would add to these.
+    assert found["decode_preload"]["load_ops"] == {"ld.global.b32": 2 + 2, "ld.global.b64": 2,
+                                                   "ld.global.v4.b32": 16 + 4}
 
 
 def test_pdl_is_off_off_the_gpu() -> None:
