@@ -7,8 +7,9 @@
 Decode: ``batch`` requests of 32 random prompt tokens decode ``--output-tokens`` tokens each together
 (greedy, ignore_eos). Every decode step reads every weight and the K/V of each running request, so
 its floor is those bytes at the device-copy bandwidth measured here; the report gives the mean step
-time against the mean floor (the share) and, at the smallest batch, the GPU time per step by kernel
-(torch.profiler over 64 steps), which shows where the time over the floor goes.
+time against the mean floor (the share; the median step's beside it, which a few slow steps do not
+move) and, at the smallest batch, the GPU time per step by kernel (torch.profiler over 64 steps),
+which shows where the time over the floor goes.
 
 Prefill: ``--prefill-prompts`` prompts of ``--prefill-tokens`` random ids, max_tokens 1, prefix cache
 reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding parameters x tokens +
@@ -106,11 +107,15 @@ def decode_run(llm, batch: int, output_tokens: int, bandwidth: float) -> dict:
     floors = [(weights + kv_per_token * s.num_seqs * (PROMPT_TOKENS + k + 1)) / bandwidth
               for k, s in enumerate(decode)]
     step_s = statistics.mean(s.duration_s for s in decode)
+    median_s = statistics.median(s.duration_s for s in decode)
     floor_s = statistics.mean(floors)
+    # The share takes the mean step (what tok/s sees); the median's share beside it shows how much of
+    # the mean is a few slow steps (host hiccups, mostly) rather than the kernels.
     return {"batch": batch, "output_tokens": batch * output_tokens, "wall_s": wall,
             "tok_per_s": batch * output_tokens / wall, "decode_steps": len(decode),
-            "step_ms": 1e3 * step_s, "step_ms_median": 1e3 * statistics.median(s.duration_s for s in decode),
+            "step_ms": 1e3 * step_s, "step_ms_median": 1e3 * median_s,
             "floor_ms": 1e3 * floor_s, "share_of_floor": floor_s / step_s,
+            "share_of_floor_median": statistics.median(floors) / median_s,
             "host_launch_ms": 1e3 * statistics.mean(s.launch_s for s in decode)}
 
 
@@ -204,10 +209,11 @@ def run(args: argparse.Namespace) -> dict:
 def report(r: dict) -> None:
     print(f"{r['device']}, {r['model']}: copy {r['copy_TBps']:.2f} TB/s, bf16 8192^3 product "
           f"{r['matmul_TFLOPs']:.0f} TFLOP/s, PDL {r['pdl']}, gemv up to {r['gemv_rows']} rows")
-    print("decode   batch  tok/s      step ms (median)  floor ms  share   host launch ms")
+    print("decode   batch  tok/s      step ms (median)  floor ms  share (median)   host launch ms")
     for d in r["decode"]:
         print(f"         {d['batch']:>5}  {d['tok_per_s']:>9,.0f}  {d['step_ms']:6.3f} ({d['step_ms_median']:.3f})"
-              f"    {d['floor_ms']:6.3f}  {d['share_of_floor']:6.1%}  {d['host_launch_ms']:.3f}")
+              f"    {d['floor_ms']:6.3f}  {d['share_of_floor']:6.1%} ({d['share_of_floor_median']:.1%})"
+              f"  {d['host_launch_ms']:.3f}")
     if r.get("kernels"):
         print_kernels(f"decode step at batch {r['kernels']['batch']}", r["kernels"])
     p = r["prefill"]

@@ -3,6 +3,8 @@ how it behaves on a machine without CUDA."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -77,6 +79,23 @@ def test_the_prefill_floor_counts_projections_and_causal_attention() -> None:
     params = 28 * (1024 * 4096 + 2048 * 1024 + 3 * 1024 * 3072)
     assert floor_bench.non_embedding_params(qwen) == params == 440_401_920
     assert floor_bench.prefill_flops(qwen, [3000, 10]) == 2 * params * 3010 + 2 * 28 * 16 * 128 * (3000**2 + 10**2)
+
+
+def test_the_floor_bench_sets_the_mean_and_the_median_step_against_the_floor(monkeypatch):
+    """A few slow steps move the mean step (what tok/s sees), not the median: the report gives both
+    shares, each against the floors of the same steps."""
+    mc = PRESETS["qwen3-0.6b"]
+    durations = [1e-3] * 9 + [11e-3]  # nine steps of 1 ms and one of 11 ms: mean 2 ms, median 1 ms
+    steps = [SimpleNamespace(phase="decode", num_seqs=1, duration_s=d, launch_s=0.0) for d in durations]
+    monkeypatch.setattr(floor_bench, "timed_generate", lambda llm, prompts, params: (steps, 0.02))
+    bandwidth = 3e12
+    result = floor_bench.decode_run(SimpleNamespace(model_config=mc), 1, len(steps), bandwidth)
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    floors = [(weight_bytes_per_step(mc, 2) + kv_per_token * (floor_bench.PROMPT_TOKENS + k + 1)) / bandwidth
+              for k in range(len(steps))]
+    assert result["step_ms"] == pytest.approx(2.0) and result["step_ms_median"] == pytest.approx(1.0)
+    assert result["share_of_floor"] == pytest.approx(sum(floors) / len(floors) / 2e-3)
+    assert result["share_of_floor_median"] == pytest.approx((floors[4] + floors[5]) / 2 / 1e-3)
 
 
 def test_the_floor_bench_needs_cuda_and_says_so(monkeypatch, capsys):
