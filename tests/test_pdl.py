@@ -2,7 +2,8 @@
 it follows has finished, so it must not touch that kernel's memory before ``griddepcontrol.wait``.
 
 On the CPU: each PDL kernel compiled for an H100 issues no global load, store or atomic before its
-wait (the skinny GEMM's weight prefetches and the gemv's weight loads excepted), and without PDL it
+wait (the skinny GEMM's weight prefetches, the gemv's weight loads and, at one row, decode attention's
+step inputs and first K/V tile excepted, each counted), and without PDL it
 has no grid-dependency control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bit for bit."""
 
 from __future__ import annotations
