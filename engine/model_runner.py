@@ -213,14 +213,19 @@ class ModelRunner:
         longest = self.config.max_model_len
         return [longest] * (rows // longest) + ([rows % longest] if rows % longest else [])
 
+    def _packed(self, q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences of these lengths packed as a prefill step takes them: cumulative lengths and
+        positions from 0 in each."""
+        cu = torch.tensor(np.concatenate(([0], np.cumsum(q_lens))), dtype=torch.int32, device=self.device)
+        return cu, torch.cat([torch.arange(n) for n in q_lens]).to(self.device)
+
     @torch.inference_mode()
     def warmup_model(self) -> None:
         """The memory profile's forward: the largest prefill a step takes, without a KV cache."""
         lengths = self._prompt_lengths(self.max_step_rows)
-        cu = torch.tensor(np.concatenate(([0], np.cumsum(lengths))), dtype=torch.int32, device=self.device)
+        cu, positions = self._packed(lengths)
         set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                             max_seqlen_k=max(lengths)))
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
         reset_context()
         torch.cuda.synchronize(self.device)
@@ -266,8 +271,7 @@ class ModelRunner:
     def _warm_step(self, decode_rows: int, prompt_rows: int) -> None:
         # The prompt rows in sequences no longer than a request can be, so that block tables hold them.
         q_lens = [1] * decode_rows + self._prompt_lengths(prompt_rows)
-        cu = torch.tensor(np.concatenate(([0], np.cumsum(q_lens))), dtype=torch.int32, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in q_lens]).to(self.device)
+        cu, positions = self._packed(q_lens)
         set_context(Context(
             is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens),
             slot_mapping=positions % self.block_size,

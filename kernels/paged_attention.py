@@ -598,7 +598,8 @@ def _launch_decode(
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0
     tile = tile or _decode_tile(batch, num_kv_heads, num_splits, q.device)
     pdl = launch_pdl(q.device)
-    launch_first = pdl and _launches_first(batch)
+    small_batch = _launches_first(batch)
+    launch_first = pdl and small_batch
     if num_splits > 1:
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -626,7 +627,7 @@ def _launch_decode(
         FROM_QKV=rope is not None,
         PDL=pdl,
         LAUNCH_FIRST=launch_first,
-        PRELOAD=_launches_first(batch) and rope is not None,
+        PRELOAD=small_batch and rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
