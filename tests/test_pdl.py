@@ -3,8 +3,8 @@ it follows has finished, so it must not touch that kernel's memory before ``grid
 
 On the CPU: each PDL kernel compiled for an H100 issues no global load, store or atomic before its
 wait (the skinny GEMM's weight prefetches, the gemv's weight loads and, at one row, decode attention's
-step inputs and first K/V tile excepted, each counted), and without PDL it
-has no grid-dependency control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bit for bit."""
+step inputs and first K/V tile excepted, each counted), in its PTX and in the machine code ptxas makes
+of it, and without PDL it has no grid-dependency control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bit for bit."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def compile_pdl_kernels() -> None:
     from kernels.paged_attention import _decode_kernel, _decode_reduce_kernel
     from kernels.rms_norm import _rms_norm_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
-    from tests.hopper import hopper_ptx
+    from tests.hopper import hopper_asm, hopper_ptx, sass_op
 
     i32, f32 = "i32", "fp32"
     kernels = {
@@ -71,8 +71,9 @@ def compile_pdl_kernels() -> None:
         aligned = tuple(i for i, (arg, kind) in enumerate(signature.items())
                         if kind.startswith("*") or "stride" in arg or arg in ("N", "K_PER_SPLIT"))
         options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": 8 if name == "gemv" else 4}
-        on = hopper_ptx(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
-                        **options).splitlines()
+        asm = hopper_asm(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
+                         **options)
+        on, sass = asm["ptx"].splitlines(), [line for line in asm["sass"].splitlines() if "\t" in line]
         off = hopper_ptx(kernel, signature, {**constexprs, **{k: False for k in extra}, "PDL": False}, aligned,
                          **options)
         wait = next(i for i, line in enumerate(on) if "griddepcontrol.wait" in line)
@@ -85,7 +86,12 @@ def compile_pdl_kernels() -> None:
                        "load_ops": dict(collections.Counter(op for op in before if op.startswith("ld.global"))),
                        "launches_dependents": any("griddepcontrol.launch_dependents" in line for line in on),
                        "launches_first": any("griddepcontrol.launch_dependents" in line for line in on[:wait]),
-                       "without_pdl": "griddepcontrol" in off}
+                       "without_pdl": "griddepcontrol" in off,
+                       # The machine code: ptxas may move a load past the wait (ACQBULK) or above it.
+                       "sass_before_wait": dict(collections.Counter(
+                           op for op in map(sass_op, sass[:next(i for i, line in enumerate(sass)
+                                                                if sass_op(line) == "ACQBULK")])
+                           if op.startswith(("LDG", "STG", "ATOM", "RED", "CCTL", "UTMA", "UBLKCP"))))}
     print(json.dumps(found))
 
 
@@ -113,6 +119,16 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
     # of the qkv row before the wait would add to these.
     assert found["decode_preload"]["load_ops"] == {"ld.global.b32": 2 + 2, "ld.global.b64": 2,
                                                    "ld.global.v4.b32": 16 + 4}
+    # The machine code keeps them there: ptxas may sink a load below the wait (legal, and the early
+    # read would be lost) or, were it to, hoist a store above it. Each kernel's loads and prefetches
+    # before ACQBULK (the wait in SASS) are the PTX's, one for one, and nothing else is.
+    for name, kernel in found.items():
+        sass = kernel["sass_before_wait"]
+        assert sum(n for op, n in sass.items() if op.startswith("LDG")) == kernel["loads"], name
+        assert sass.get("CCTL.E.PF2", 0) == kernel["prefetches"], name
+        assert set(sass) <= {"LDG.E", "LDG.E.64", "LDG.E.128", "CCTL.E.PF2"}, (name, sass)
+    assert found["gemv"]["sass_before_wait"] == {"LDG.E.128": 8}
+    assert found["decode_preload"]["sass_before_wait"] == {"LDG.E": 4, "LDG.E.64": 2, "LDG.E.128": 20}
 
 
 def test_pdl_is_off_off_the_gpu() -> None:
