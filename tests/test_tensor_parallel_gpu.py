@@ -56,12 +56,26 @@ def generate_twice(model_dir: Path, tp: int, prompts: list[list[int]], max_token
     return outputs
 
 
-def generate_twice_in_a_process(model_dir: Path, prompts: list[list[int]], max_tokens: int,
-                                all_reduce: str) -> list[list[int]]:
-    """``generate_twice`` at TP=2 in a process of its own: a process sets up the one-shot
-    all-reduce once (``models.all_reduce``)."""
-    code = ("import json, sys; from tests.test_tensor_parallel_gpu import generate_twice; "
-            "print(json.dumps(generate_twice(sys.argv[1], 2, json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))")
+def generate_alone(model_dir: Path, tp: int, prompts: list[list[int]], max_tokens: int,
+                   all_reduce: str) -> list[list[int]]:
+    """Greedy tokens of each prompt decoding alone: the decode graph of one row, whose attention
+    reads its first K/V tile before its PDL wait (``kernels.paged_attention``)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(str(model_dir), tensor_parallel_size=tp, kvcache_block_size=256, max_model_len=2048,
+             gpu_memory_utilization=0.5, disable_custom_all_reduce=all_reduce == "nccl") as llm:
+        assert llm.model_runner.graphs
+        outputs = [llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] for prompt in prompts]
+    del llm
+    torch.cuda.empty_cache()
+    return outputs
+
+
+def generate_in_a_process(generate: str, model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                          all_reduce: str) -> list[list[int]]:
+    """``generate`` (``generate_twice`` or ``generate_alone``) at TP=2 in a process of its own: a
+    process sets up the one-shot all-reduce once (``models.all_reduce``)."""
+    code = (f"import json, sys; from tests.test_tensor_parallel_gpu import {generate}; "
+            f"print(json.dumps({generate}(sys.argv[1], 2, json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))")
     result = subprocess.run([sys.executable, "-c", code, str(model_dir), json.dumps(prompts), str(max_tokens),
                              all_reduce], capture_output=True, text=True, timeout=300, cwd=REPO,
                             env=python_with_repo(os.environ))
@@ -75,7 +89,7 @@ def test_two_gpus_match_one_gpu_within_bf16_tolerance(preset, all_reduce):
     vocab = 4096 if preset == "tiny" else 151936
     prompts = prompts_for(vocab, [7, 100, 333, 600, 1000, 31])
     outputs = {1: generate_twice(model_dir, 1, prompts, 48, all_reduce),
-               2: generate_twice_in_a_process(model_dir, prompts, 48, all_reduce)}
+               2: generate_in_a_process("generate_twice", model_dir, prompts, 48, all_reduce)}
     same = sum(a == b for one, two in zip(outputs[1], outputs[2]) for a, b in zip(one, two))
     identical = sum(one == two for one, two in zip(outputs[1], outputs[2]))
     total = sum(len(o) for o in outputs[1])
@@ -85,6 +99,17 @@ def test_two_gpus_match_one_gpu_within_bf16_tolerance(preset, all_reduce):
         print(f"{preset} TP={tp}: {counts}")
         assert counts["exempt"] <= 0.05 * counts["checked"]
         assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
+
+
+def test_single_stream_decode_on_two_gpus_matches_transformers():
+    """Requests decoding alone at TP=2 (the one-shot all-reduce): the same rule as above."""
+    model_dir = ensure_checkpoint("qwen3-0.6b")
+    prompts = prompts_for(151936, [7, 333, 1000], seed=1)
+    outputs = generate_in_a_process("generate_alone", model_dir, prompts, 64, "one-shot")
+    counts = check_against_reference(model_dir, prompts, outputs)
+    print(f"qwen3-0.6b TP=2 alone: {counts}")
+    assert counts["exempt"] <= 0.05 * counts["checked"]
+    assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
 KILL_MID_GENERATION = """
