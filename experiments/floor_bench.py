@@ -8,8 +8,9 @@ Decode: ``batch`` requests of 32 random prompt tokens decode ``--output-tokens``
 (greedy, ignore_eos). Every decode step reads every weight and the K/V of each running request, so
 its floor is those bytes at the device-copy bandwidth measured here; the report gives the mean step
 time against the mean floor (the share; the median step's beside it, which a few slow steps do not
-move) and, at the smallest batch, the GPU time per step by kernel (torch.profiler over 64 steps),
-which shows where the time over the floor goes.
+move) and, at the smallest batch, the GPU time per step by kernel (torch.profiler over 64 steps) and
+what each kernel adds to the step: how much later the GPU's work ends because of it, which under PDL
+(where kernels overlap and each one's time includes its wait) shows where the time over the floor goes.
 
 Prefill: ``--prefill-prompts`` prompts of ``--prefill-tokens`` random ids, max_tokens 1, prefix cache
 reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding parameters x tokens +
@@ -119,8 +120,28 @@ def decode_run(llm, batch: int, output_tokens: int, bandwidth: float) -> dict:
             "host_launch_ms": 1e3 * statistics.mean(s.launch_s for s in decode)}
 
 
+def critical_path(spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float]:
+    """``(name, start, end)`` spans of device work -> how far each name moved the end of the GPU's
+    work later, summed, and the time no span was running, from the first start to the last end.
+
+    Under PDL a kernel starts while the one before it still runs, and its own duration includes its
+    wait, so durations overlap and add up to more than the step. What a kernel adds to the step is
+    how much later the work ends because of it: its end past every earlier-started span's end. The
+    advances and the idle time add up to the whole span."""
+    advance: dict[str, float] = {}
+    idle, frontier = 0.0, None
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        frontier = start if frontier is None else frontier
+        idle += max(0.0, start - frontier)
+        advance[name] = advance.get(name, 0.0) + max(0.0, end - max(frontier, start))
+        frontier = max(frontier, end)
+    return advance, idle
+
+
 def kernel_table(run, steps: int) -> dict:
-    """GPU time by kernel while ``run()`` runs, per step of the ``steps`` it takes, with the wall time."""
+    """GPU time by kernel while ``run()`` runs, per step of the ``steps`` it takes, with the wall time;
+    and what each kernel adds to a step (``critical_path``), with the GPU's idle time between them."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -131,8 +152,12 @@ def kernel_table(run, steps: int) -> dict:
         wall = time.perf_counter() - t
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels = sorted(((e.key, e.device_time_total / 1e3 / steps, e.count / steps) for e in events), key=lambda k: -k[1])
+    advance, idle = critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                   if e.device_type == DeviceType.CUDA])
+    added = sorted(((name, us / 1e3 / steps) for name, us in advance.items()), key=lambda k: -k[1])
     return {"wall_ms_per_step": 1e3 * wall / steps, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
-            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20]}
+            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20],
+            "added_ms_per_step": added[:20], "idle_ms_per_step": idle / 1e3 / steps}
 
 
 def decode_kernels(llm, batch: int) -> dict:
@@ -234,6 +259,10 @@ def print_kernels(what: str, k: dict) -> None:
               "its wait for the one before)")
     for name, ms, count in k["kernels"][:12]:
         print(f"  {1e3 * ms:9.1f} us  x{count:5.1f}  {name[:100]}")
+    print(f"what each kernel adds to the {what} (how much later the GPU's work ends because of it), and "
+          f"{1e3 * k['idle_ms_per_step']:.1f} us with none running:")
+    for name, ms in k["added_ms_per_step"][:12]:
+        print(f"  {1e3 * ms:9.1f} us  {name[:100]}")
 
 
 def main(argv: list[str] | None = None) -> int:
