@@ -17,7 +17,7 @@ reset, timed from ``generate`` to its return. Its FLOPs are ``2 x non-embedding 
 2 x layers x heads x head_dim x sum(s^2)`` (projections, then causal attention's two products), and
 its rate is set against a bf16 8192^3 matrix product timed here, before the engine loads and again
 after the prefill (the share is against the mean of the two); then the same prefill under
-torch.profiler gives the GPU time per step by kernel.
+torch.profiler gives the GPU time per step by kernel, and what each kernel adds to the step.
 
 ``--pdl`` times the decode chain without programmatic dependent launch (``off``) or without its
 weight prefetch (``no-prefetch``), against the default (``kernels.pdl``). With PDL the kernels of a
@@ -152,8 +152,9 @@ def kernel_table(run, steps: int) -> dict:
         wall = time.perf_counter() - t
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels = sorted(((e.key, e.device_time_total / 1e3 / steps, e.count / steps) for e in events), key=lambda k: -k[1])
+    # Annotation ranges on the GPU's timeline span whole stretches of kernels: not work of their own.
     advance, idle = critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                                   if e.device_type == DeviceType.CUDA])
+                                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation])
     added = sorted(((name, us / 1e3 / steps) for name, us in advance.items()), key=lambda k: -k[1])
     return {"wall_ms_per_step": 1e3 * wall / steps, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
             "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20],

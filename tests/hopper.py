@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import triton
 
@@ -15,7 +16,7 @@ from tests.servers import REPO, python_with_repo
 
 
 def hopper_asm(kernel, signature: dict[str, str], constexprs: dict[str, object], aligned: tuple[int, ...] = (),
-               num_warps: int = 4, **options):
+               num_warps: int = 4, **options) -> Mapping[str, object]:
     """The kernel compiled for sm_90: its ``asm`` (``"ptx"``; ``"sass"``, which Triton disassembles
     with the cuobjdump it ships, on demand)."""
     from triton.backends.compiler import GPUTarget

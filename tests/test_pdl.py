@@ -2,9 +2,10 @@
 it follows has finished, so it must not touch that kernel's memory before ``griddepcontrol.wait``.
 
 On the CPU: each PDL kernel compiled for an H100 issues no global load, store or atomic before its
-wait (the skinny GEMM's weight prefetches, the gemv's weight loads and, at one row, decode attention's
-step inputs and first K/V tile excepted, each counted), in its PTX and in the machine code ptxas makes
-of it, and without PDL it has no grid-dependency control at all. On the GPU: CUDA graphs of PDL launches equal serial launches bit for bit."""
+wait (the skinny GEMM's weight prefetches, the gemv's weight loads and, at one row, decode
+attention's step inputs and first K/V tile excepted, each counted), in its PTX and in the machine
+code ptxas makes of it, and without PDL it has no grid-dependency control at all. On the GPU: CUDA
+graphs of PDL launches equal serial launches bit for bit."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def compile_pdl_kernels() -> None:
         options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": 8 if name == "gemv" else 4}
         asm = hopper_asm(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
                          **options)
-        on, sass = asm["ptx"].splitlines(), [line for line in asm["sass"].splitlines() if "\t" in line]
+        on = asm["ptx"].splitlines()
+        sass_ops = [sass_op(line) for line in asm["sass"].splitlines() if "\t" in line]
+        sass_wait = sass_ops.index("ACQBULK")
         off = hopper_ptx(kernel, signature, {**constexprs, **{k: False for k in extra}, "PDL": False}, aligned,
                          **options)
         wait = next(i for i, line in enumerate(on) if "griddepcontrol.wait" in line)
@@ -88,10 +91,12 @@ def compile_pdl_kernels() -> None:
                        "launches_first": any("griddepcontrol.launch_dependents" in line for line in on[:wait]),
                        "without_pdl": "griddepcontrol" in off,
                        # The machine code: ptxas may move a load past the wait (ACQBULK) or above it.
+                       "sass_waits": sass_ops.count("ACQBULK"),
+                       "sass_branches_before_wait": [op for op in sass_ops[:sass_wait] if op.startswith("BRA")],
                        "sass_before_wait": dict(collections.Counter(
-                           op for op in map(sass_op, sass[:next(i for i, line in enumerate(sass)
-                                                                if sass_op(line) == "ACQBULK")])
-                           if op.startswith(("LDG", "STG", "ATOM", "RED", "CCTL", "UTMA", "UBLKCP"))))}
+                           op for op in sass_ops[:sass_wait]
+                           if op.startswith(("LDG", "STG", "LD.", "ST.", "ATOM.", "ATOMG", "RED.", "CCTL", "UTMA",
+                                             "UBLKCP"))))}
     print(json.dumps(found))
 
 
@@ -119,10 +124,13 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
     # of the qkv row before the wait would add to these.
     assert found["decode_preload"]["load_ops"] == {"ld.global.b32": 2 + 2, "ld.global.b64": 2,
                                                    "ld.global.v4.b32": 16 + 4}
-    # The machine code keeps them there: ptxas may sink a load below the wait (legal, and the early
-    # read would be lost) or, were it to, hoist a store above it. Each kernel's loads and prefetches
-    # before ACQBULK (the wait in SASS) are the PTX's, one for one, and nothing else is.
+    # The machine code keeps them there. ptxas may sink a load below the wait (legal, but the read
+    # meant to overlap the previous kernel would not), or a miscompile could hoist a load or a store
+    # above it: either changes these counts. Each kernel's loads and prefetches before its one
+    # ACQBULK (the wait in SASS), with no branch before it, are the PTX's one for one, and nothing
+    # else touches global memory there.
     for name, kernel in found.items():
+        assert kernel["sass_waits"] == 1 and not kernel["sass_branches_before_wait"], name
         sass = kernel["sass_before_wait"]
         assert sum(n for op, n in sass.items() if op.startswith("LDG")) == kernel["loads"], name
         assert sass.get("CCTL.E.PF2", 0) == kernel["prefetches"], name

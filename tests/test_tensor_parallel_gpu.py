@@ -63,7 +63,8 @@ def generate_alone(model_dir: Path, tp: int, prompts: list[list[int]], max_token
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(str(model_dir), tensor_parallel_size=tp, kvcache_block_size=256, max_model_len=2048,
              gpu_memory_utilization=0.5, disable_custom_all_reduce=all_reduce == "nccl") as llm:
-        assert llm.model_runner.graphs
+        assert llm.model_runner.dtype == torch.bfloat16 and llm.model_runner.graphs
+        assert llm.model_runner.describe()["all_reduce"] == (all_reduce if tp > 1 else None)
         outputs = [llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] for prompt in prompts]
     del llm
     torch.cuda.empty_cache()
