@@ -1,6 +1,6 @@
 """Kernels compiled for an H100 (sm_90) on a machine without one: their PTX and machine code (SASS),
-for tests that check what the compilers emit. Run in a process without Triton's interpreter (the CPU suite's conftest
-turns it on, and it patches ``triton.language`` once it has run a kernel)."""
+for tests that check what the compilers emit. Run in a process without Triton's interpreter (the
+CPU suite's conftest turns it on, and it patches ``triton.language`` once it has run a kernel)."""
 
 from __future__ import annotations
 
