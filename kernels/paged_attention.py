@@ -53,6 +53,12 @@ _PROGRAMS_PER_SM = 2
 # an H100 on the yardstick's shapes (batch 32-256, contexts of a few hundred to ~1,900 tokens): 128
 # gained 1-4 points of copy bandwidth at batch >= 96 (6+ programs per SM) and lost 3-5 at batch 64.
 _LARGE_TILE_PROGRAMS_PER_SM = 5
+# Warps of a program that preloads its first K/V tile (a batch of one). Its programs start only as
+# the qkv product's leave their SMs (two of those hold 60 Ki of an SM's 64 Ki registers), and a
+# program timeline found three of them to an SM at 4 warps (167 registers a thread); at 8 (109) two
+# fit, and the batch-1 step took 0.753-0.756 ms against 0.757-0.760; 16 warps (one an SM) 0.755-0.757
+# (H100, docs/performance.md).
+_PRELOAD_WARPS = 8
 
 
 @triton.jit
@@ -471,9 +477,10 @@ def _launches_first(batch: int) -> bool:
     runs its products through kernels.gemv, whose programs load their weights before their wait, so
     o_proj's weights stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms;
     docs/performance.md). Attention from qkv then also reads its first K/V tile before its wait (the
-    kernel's PRELOAD), whose registers (168 a thread against 88) a larger grid would pay for in
-    occupancy; without PDL (the CPU, GPUs before Hopper) that path only orders its loads so. One rule
-    for the launches and for the variants warmed at start-up."""
+    kernel's PRELOAD), whose registers (167 a thread against 88 at 4 warps; it launches at
+    ``_PRELOAD_WARPS``) a larger grid would pay for in occupancy; without PDL (the CPU, GPUs before
+    Hopper) that path only orders its loads so. One rule for the launches and for the variants warmed
+    at start-up."""
     return batch <= gemv.MAX_ROWS
 
 
@@ -609,6 +616,7 @@ def _launch_decode(
     # Without rope the rotary arguments are never read: any tensor stands in.
     positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache = (
         rope or (context_lens, context_lens, out, out, 0.0, out))
+    preload = small_batch and rope is not None
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, context_lens, block_tables,
         scale * _LOG2E,
@@ -627,8 +635,8 @@ def _launch_decode(
         FROM_QKV=rope is not None,
         PDL=pdl,
         LAUNCH_FIRST=launch_first,
-        PRELOAD=small_batch and rope is not None,
-        num_warps=num_warps,
+        PRELOAD=preload,
+        num_warps=_PRELOAD_WARPS if preload else num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
     )

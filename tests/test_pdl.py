@@ -27,7 +27,7 @@ def compile_pdl_kernels() -> None:
     """Prints, for each PDL kernel compiled for an H100 with and without PDL: what global memory
     instructions come before the first wait, and whether the grid-dependency instructions are there."""
     from kernels.gemv import _gemv_kernel
-    from kernels.paged_attention import _decode_kernel, _decode_reduce_kernel
+    from kernels.paged_attention import _PRELOAD_WARPS, _decode_kernel, _decode_reduce_kernel
     from kernels.rms_norm import _rms_norm_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
     from tests.hopper import hopper_asm, hopper_ptx, sass_op
@@ -71,7 +71,8 @@ def compile_pdl_kernels() -> None:
         # them so, which turns the GEMM's loads into cp.async pipelines), its pipeline depths.
         aligned = tuple(i for i, (arg, kind) in enumerate(signature.items())
                         if kind.startswith("*") or "stride" in arg or arg in ("N", "K_PER_SPLIT"))
-        options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": 8 if name == "gemv" else 4}
+        warps = {"gemv": 8, "decode_preload": _PRELOAD_WARPS}.get(name, 4)  # as the engine launches them
+        options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": warps}
         asm = hopper_asm(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
                          **options)
         on = asm["ptx"].splitlines()
@@ -118,12 +119,12 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
         "gemv", "decode_reduce", "decode_preload"]
     # The gemv's weights and nothing else: 16 rows of 1,024 bf16 over 256 threads, 16 bytes a load.
     assert found["gemv"]["loads"] == 16 * 1024 * 2 // (256 * 16)
-    # Decode attention at one row: the context length and one block-table entry (32-bit), the position
-    # and the slot (64-bit), a 64 x 128 bf16 K tile and V tile over 128 threads (8 + 8 16-byte loads),
-    # and the rotary cos and sin (64 float32 each: two 16-byte loads and one 4-byte load apiece). A read
-    # of the qkv row before the wait would add to these.
+    # Decode attention at one row (``_PRELOAD_WARPS`` = 8): the context length and one block-table entry
+    # (32-bit), the position and the slot (64-bit), a 64 x 128 bf16 K tile and V tile over 256 threads
+    # (4 + 4 16-byte loads), and the rotary cos and sin (64 float32 each: one 16-byte load and one
+    # 4-byte load apiece). A read of the qkv row before the wait would add to these.
     assert found["decode_preload"]["load_ops"] == {"ld.global.b32": 2 + 2, "ld.global.b64": 2,
-                                                   "ld.global.v4.b32": 16 + 4}
+                                                   "ld.global.v4.b32": 8 + 2}
     # The machine code keeps them there. ptxas may sink a load below the wait (legal, but the read
     # meant to overlap the previous kernel would not), or a miscompile could hoist a load or a store
     # above it: either changes these counts. Each kernel's loads and prefetches before its one
@@ -136,7 +137,7 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
         assert sass.get("CCTL.E.PF2", 0) == kernel["prefetches"], name
         assert set(sass) <= {"LDG.E", "LDG.E.64", "LDG.E.128", "CCTL.E.PF2"}, (name, sass)
     assert found["gemv"]["sass_before_wait"] == {"LDG.E.128": 8}
-    assert found["decode_preload"]["sass_before_wait"] == {"LDG.E": 4, "LDG.E.64": 2, "LDG.E.128": 20}
+    assert found["decode_preload"]["sass_before_wait"] == {"LDG.E": 4, "LDG.E.64": 2, "LDG.E.128": 10}
 
 
 def test_pdl_is_off_off_the_gpu() -> None:
