@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.program_clock import clock, global_time, program_slots, record_program
 
 # The most rows the engine sends here; more go to the skinny GEMM. ``experiments/floor_bench.py
 # --gemv-rows`` sets it (0: never) to time the paths side by side; the model reads it as it runs, so
@@ -54,7 +55,12 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
+    clock_ptr,  # CLOCK: this launch's records (kernels.program_clock)
+    CLOCK: tl.constexpr,
 ):
+    if CLOCK:
+        started, started_at = clock(), global_time()
+        waited = started
     # Program (n, s) computes columns n * BLOCK_N ... over K split s (x's columns s * K ...) and writes
     # rows s * M ... of y. With SILU_MUL the weight has 2N rows, gate rows first.
     pid_n = tl.program_id(0)
@@ -71,6 +77,8 @@ def _gemv_kernel(
         # kernel's output too (the next product's weights), which then overlaps this wait.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # everything below reads what other kernels write (kernels.pdl)
+        if CLOCK:
+            waited = clock()
     dtype = y_ptr.dtype.element_ty
     if NORM:
         norm_w = tl.load(norm_ptr + ks).to(tl.float32)
@@ -97,6 +105,8 @@ def _gemv_kernel(
         else:
             out = acc
         tl.store(y_ptr + split * stride_ys + row * stride_ym + cols, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    if CLOCK:
+        record_program(clock_ptr, started, started_at, waited)
 
 
 def _block_n(n: int, k: int, silu_mul: bool, splits: int = 1) -> int:
@@ -167,12 +177,16 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     new_residual = x if residual is None else torch.empty(m, k, dtype=dtype, device=x.device)
     block_n = _block_n(n, k, silu_mul)
     use_pdl = pdl.launch_pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n), 1)](
+    grid = (triton.cdiv(n, block_n), 1)
+    name = f"norm_gemv {weight.shape[0]}x{k}" + (" silu" if silu_mul else "")
+    records, clocked = program_slots(name, grid[0], m, y)
+    _gemv_kernel[grid](
         x, x if residual is None else residual, new_residual, norm_weight, weight, y,
         m, n, x.stride(0) if partials else 0, x.stride(-2), 0 if residual is None else residual.stride(0),
         weight.stride(0), 0, y.stride(0), eps,
         K=k, SPLITS_IN=x.shape[0] if partials else 1, NORM=True, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, BLOCK_N=block_n, PDL=use_pdl, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+        SILU_MUL=silu_mul, BLOCK_N=block_n, PDL=use_pdl, clock_ptr=records, CLOCK=clocked, num_warps=_NUM_WARPS,
+        launch_pdl=use_pdl,
     )
     return y, new_residual
 
@@ -191,10 +205,12 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_n = _block_n(n, per, False, splits)
     y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     use_pdl = pdl.launch_pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n), splits)](
+    grid = (triton.cdiv(n, block_n), splits)
+    records, clocked = program_slots(f"gemv_partials {n}x{k}", grid[0] * grid[1], m, y)
+    _gemv_kernel[grid](
         x, x, x, x, weight, y,
         m, n, 0, x.stride(0), 0, weight.stride(0), y.stride(0), y.stride(1), 0.0,
         K=per, SPLITS_IN=1, NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_N=block_n, PDL=use_pdl,
-        num_warps=_NUM_WARPS, launch_pdl=use_pdl,
+        clock_ptr=records, CLOCK=clocked, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
     )
     return y

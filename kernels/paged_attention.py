@@ -35,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels import gemv
 from kernels.norm_rope_store import check_qkv, norm_rope_heads
 from kernels.pdl import launch_pdl
+from kernels.program_clock import clock, global_time, program_slots, record_program
 
 _LOG2E = 1.4426950408889634
 # Prefill calls with fewer queries keep pointer loads. Passing a tensor descriptor costs the launch
@@ -152,7 +153,12 @@ def _decode_kernel(
     PDL: tl.constexpr,
     LAUNCH_FIRST: tl.constexpr,  # PDL: let the next kernel launch before this one waits
     PRELOAD: tl.constexpr,  # FROM_QKV: read what no kernel of the step writes before the PDL wait
+    clock_ptr,  # CLOCK: this launch's records (kernels.program_clock)
+    CLOCK: tl.constexpr,
 ):
+    if CLOCK:
+        started, started_at = clock(), global_time()
+        waited = started
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,6 +168,8 @@ def _decode_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         if not PRELOAD:  # everything below reads or writes what other kernels do (kernels.pdl)
             tl.extra.cuda.gdc_wait()
+            if CLOCK:
+                waited = clock()
             if not LAUNCH_FIRST:
                 tl.extra.cuda.gdc_launch_dependents()
     # With PRELOAD, everything up to its wait below reads the step's inputs (copied in before its
@@ -203,6 +211,8 @@ def _decode_kernel(
         owner = (ctx - 1 >= lo) & (ctx - 1 < hi) & (slot >= 0)
     if PDL and PRELOAD:
         tl.extra.cuda.gdc_wait()
+        if CLOCK:
+            waited = clock()
         if not LAUNCH_FIRST:
             tl.extra.cuda.gdc_launch_dependents()
     if FROM_QKV:
@@ -267,6 +277,8 @@ def _decode_kernel(
         tl.store(part_max_ptr + part, m, mask=row_mask)
         tl.store(part_sum_ptr + part, l, mask=row_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
+    if CLOCK:
+        record_program(clock_ptr, started, started_at, waited)
 
 
 @triton.jit
@@ -281,13 +293,20 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
     LAUNCH_FIRST: tl.constexpr,  # PDL: let the next kernel launch before this one waits
+    clock_ptr,  # CLOCK: this launch's records (kernels.program_clock)
+    CLOCK: tl.constexpr,
 ):
+    if CLOCK:
+        started, started_at = clock(), global_time()
+        waited = started
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if PDL:
         if LAUNCH_FIRST:
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        if CLOCK:
+            waited = clock()
         if not LAUNCH_FIRST:
             tl.extra.cuda.gdc_launch_dependents()
     base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
@@ -302,6 +321,8 @@ def _decode_reduce_kernel(
     acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :])
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * o_stride_seq + head * o_stride_head + dims, out.to(out_ptr.dtype.element_ty))
+    if CLOCK:
+        record_program(clock_ptr, started, started_at, waited)
 
 
 @triton.jit
@@ -617,6 +638,8 @@ def _launch_decode(
     positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache = (
         rope or (context_lens, context_lens, out, out, 0.0, out))
     preload = small_batch and rope is not None
+    records, clocked = program_slots("decode attention" + (" from qkv" if rope else ""),
+                                     batch * num_kv_heads * num_splits, batch, out)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, context_lens, block_tables,
         scale * _LOG2E,
@@ -636,15 +659,18 @@ def _launch_decode(
         PDL=pdl,
         LAUNCH_FIRST=launch_first,
         PRELOAD=preload,
+        clock_ptr=records,
+        CLOCK=clocked,
         num_warps=_PRELOAD_WARPS if preload else num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
     )
     if num_splits > 1:
+        records, clocked = program_slots("decode split reduction", batch * num_heads, batch, out)
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, LAUNCH_FIRST=launch_first,
-            num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, LAUNCH_FIRST=launch_first, clock_ptr=records,
+            CLOCK=clocked, num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
         )
     return out
 

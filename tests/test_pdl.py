@@ -23,14 +23,13 @@ from tests.hopper import ptx_op, run_compiled
 
 
 
-def compile_pdl_kernels() -> None:
-    """Prints, for each PDL kernel compiled for an H100 with and without PDL: what global memory
-    instructions come before the first wait, and whether the grid-dependency instructions are there."""
+def pdl_kernel_specs() -> dict[str, tuple]:
+    """Each kernel of the decode chain launched with PDL, as ``(kernel, signature, constexprs)`` for
+    ``tests.hopper``: at Qwen3-0.6B's shapes, with the engine's switches."""
     from kernels.gemv import _gemv_kernel
-    from kernels.paged_attention import _PRELOAD_WARPS, _decode_kernel, _decode_reduce_kernel
+    from kernels.paged_attention import _decode_kernel, _decode_reduce_kernel
     from kernels.rms_norm import _rms_norm_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
-    from tests.hopper import hopper_asm, hopper_ptx, sass_op
 
     i32, f32 = "i32", "fp32"
     kernels = {
@@ -41,8 +40,8 @@ def compile_pdl_kernels() -> None:
         "gemv": (_gemv_kernel, dict(
             x_ptr="*fp32", residual_ptr="*bf16", residual_out_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16",
             y_ptr="*bf16", M=i32, N=i32, stride_xs=i32, stride_xm=i32, stride_r=i32, stride_wn=i32, stride_ys=i32,
-            stride_ym=i32, eps=f32), dict(K=1024, SPLITS_IN=4, NORM=True, HAS_RESIDUAL=True, SILU_MUL=True,
-                                          BLOCK_N=8)),
+            stride_ym=i32, eps=f32, clock_ptr="*i64"), dict(K=1024, SPLITS_IN=4, NORM=True, HAS_RESIDUAL=True,
+                                                            SILU_MUL=True, BLOCK_N=8, CLOCK=False)),
         "rms_norm": (_rms_norm_kernel, dict(
             x_ptr="*fp32", ranks_ptr="*i64", residual_ptr="*bf16", residual_out_ptr="*bf16", weight_ptr="*bf16",
             y_ptr="*bf16", n=i32, stride_split=i32, stride_x=i32, stride_r=i32, stride_y=i32, eps=f32),
@@ -53,28 +52,52 @@ def compile_pdl_kernels() -> None:
             scale_log2=f32, q_stride_seq=i32, q_stride_head=i32, o_stride_seq=i32, o_stride_head=i32,
             kc_stride_block=i32, kc_stride_slot=i32, kc_stride_head=i32, vc_stride_block=i32, vc_stride_slot=i32,
             vc_stride_head=i32, bt_stride=i32, positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
-            k_norm_ptr="*bf16", cos_sin_ptr="*fp32", eps=f32, cos_sin_stride=i32),
+            k_norm_ptr="*bf16", cos_sin_ptr="*fp32", eps=f32, cos_sin_stride=i32, clock_ptr="*i64"),
             dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=4,
-                 DOT_PRECISION="ieee", FROM_QKV=True, LAUNCH_FIRST=False, PRELOAD=False)),
+                 DOT_PRECISION="ieee", FROM_QKV=True, LAUNCH_FIRST=False, PRELOAD=False, CLOCK=False)),
         "decode_reduce": (_decode_reduce_kernel, dict(
             out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", o_stride_seq=i32,
-            o_stride_head=i32), dict(HEAD_DIM=128, NUM_SPLITS=4, LAUNCH_FIRST=True)),
+            o_stride_head=i32, clock_ptr="*i64"), dict(HEAD_DIM=128, NUM_SPLITS=4, LAUNCH_FIRST=True, CLOCK=False)),
     }
     # At a batch of one (16 splits over blocks of 256): the inputs and the first K/V tile before the wait.
     decode_kernel, decode_signature, decode_constexprs = kernels["decode"]
     kernels["decode_preload"] = (decode_kernel, decode_signature, {
         **decode_constexprs, "BLOCK_SIZE": 256, "NUM_SPLITS": 16, "LAUNCH_FIRST": True, "PRELOAD": True})
+    return kernels
+
+
+def launch_options(name: str) -> tuple[tuple[int, ...], dict[str, int]]:
+    """``(aligned arguments, compile options)`` of ``pdl_kernel_specs()[name]`` as the engine launches
+    it: pointers and strides 16-byte aligned (Triton specialises them so, which turns the GEMM's loads
+    into cp.async pipelines), its warps and pipeline depths."""
+    from kernels.paged_attention import _PRELOAD_WARPS
+
+    _, signature, _ = pdl_kernel_specs()[name]
+    aligned = tuple(i for i, (arg, kind) in enumerate(signature.items())
+                    if kind.startswith("*") or "stride" in arg or arg in ("N", "K_PER_SPLIT"))
+    warps = {"gemv": 8, "decode_preload": _PRELOAD_WARPS}.get(name, 4)
+    return aligned, {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": warps}
+
+
+def compile_as_launched(name: str, constexprs: dict[str, object]):
+    """``pdl_kernel_specs()[name]`` compiled for an H100 with PDL launches, ``constexprs`` over its own."""
+    from tests.hopper import hopper_asm
+
+    kernel, signature, own = pdl_kernel_specs()[name]
+    aligned, options = launch_options(name)
+    return hopper_asm(kernel, signature, {**own, **constexprs}, aligned, launch_pdl=True, **options)
+
+
+def compile_pdl_kernels() -> None:
+    """Prints, for each PDL kernel compiled for an H100 with and without PDL: what global memory
+    instructions come before the first wait, and whether the grid-dependency instructions are there."""
+    from tests.hopper import hopper_ptx, sass_op
+
     found = {}
-    for name, (kernel, signature, constexprs) in kernels.items():
+    for name, (kernel, signature, constexprs) in pdl_kernel_specs().items():
         extra = {"PREFETCH": True} if name == "skinny_gemm" else {}
-        # As the engine launches them: pointers and strides 16-byte aligned (Triton specialises
-        # them so, which turns the GEMM's loads into cp.async pipelines), its pipeline depths.
-        aligned = tuple(i for i, (arg, kind) in enumerate(signature.items())
-                        if kind.startswith("*") or "stride" in arg or arg in ("N", "K_PER_SPLIT"))
-        warps = {"gemv": 8, "decode_preload": _PRELOAD_WARPS}.get(name, 4)  # as the engine launches them
-        options = {"num_stages": 4 if name == "skinny_gemm" else 2, "num_warps": warps}
-        asm = hopper_asm(kernel, signature, {**constexprs, **extra, "PDL": True}, aligned, launch_pdl=True,
-                         **options)
+        asm = compile_as_launched(name, {**extra, "PDL": True})
+        aligned, options = launch_options(name)
         on = asm["ptx"].splitlines()
         sass_ops = [sass_op(line) for line in asm["sass"].splitlines() if "\t" in line]
         sass_wait = sass_ops.index("ACQBULK")
