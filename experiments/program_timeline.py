@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> dict:
         program_clock.RECORDING = None  # only the graphs captured at start-up record
     try:
         if not timeline.launches:
-            raise OptionError("no kernel of the batch-1 graph recorded: it runs none of the stamped kernels here "
-                              "(the products not on kernels.gemv: another model or tensor parallelism)")
+            raise OptionError("no stamped kernel was captured into a batch-1 CUDA graph: the engine captured "
+                              "none of that size")
         layers = llm.model_config.num_hidden_layers
         layer = layers // 2 if args.layer is None else args.layer
         if layer >= layers:
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         llm.close()
     rate, times = layer_times(launches, layers, layer)
-    # The last decode step computes the token after PROMPT_TOKENS + tokens - 2 others.
+    # The last decode step attends over the prompt and every generated token but the one it makes.
     return {"device": torch.cuda.get_device_name(), "context": PROMPT_TOKENS + args.tokens - 1, "layer": layer,
             "ns_per_cycle": rate, "kernels": [asdict(k) for k in times]}
 
