@@ -90,20 +90,21 @@ def layer_times(launches: list[tuple[Launch, list[list[int]]]], layers: int,
 
     origin = min(at(r, START) for _, records in ours for r in records)
     return rate, [KernelTimes(launch.name, launch.programs, len({r[SM] for r in records}),
-                        _spread([at(r, START) - origin for r in records]),
-                        _spread([at(r, WAITED) - origin for r in records]),
-                        _spread([at(r, END) - origin for r in records]),
-                        max(range(len(records)), key=lambda i: records[i][END] * rate + offset[records[i][SM]]))
-            for launch, records in ours]
+                              _spread([at(r, START) - origin for r in records]),
+                              _spread([at(r, WAITED) - origin for r in records]),
+                              _spread([at(r, END) - origin for r in records]),
+                              max(range(len(records)), key=lambda i: at(records[i], END)))
+                  for launch, records in ours]
 
 
-def report(times: list[KernelTimes], layer: int, ns_per_cycle: float) -> None:
-    print(f"layer {layer}, us from its first program's start (SM clock {1 / ns_per_cycle:.3f} GHz); "
+def report(r: dict) -> None:
+    print(f"layer {r['layer']}, us from its first program's start (SM clock {1 / r['ns_per_cycle']:.3f} GHz); "
           "min / median / max over the kernel's programs")
     print(f"{'kernel':32} {'programs':>8} {'SMs':>4}   {'start':>20}   {'wait returned':>20}   {'end':>20}  last")
-    for k in times:
-        cells = ["{:6.2f} {:6.2f} {:6.2f}".format(*v) for v in (k.start_us, k.waited_us, k.end_us)]
-        print(f"{k.name[:32]:32} {k.programs:>8} {k.sms:>4}   " + "   ".join(cells) + f"  #{k.last_program}")
+    for k in r["kernels"]:
+        cells = ["{:6.2f} {:6.2f} {:6.2f}".format(*k[field]) for field in ("start_us", "waited_us", "end_us")]
+        print(f"{k['name'][:32]:32} {k['programs']:>8} {k['sms']:>4}   " + "   ".join(cells)
+              + f"  #{k['last_program']}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             raise OptionError("the program timeline records the batch-1 CUDA graph on the GPU: leave --enforce-eager "
                               "and --device cpu off")
         results = run(args)
-    report([KernelTimes(**k) for k in results["kernels"]], results["layer"], results["ns_per_cycle"])
+    report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
