@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.device import sm_count
 from kernels.program_clock import clock, global_time, program_slots, record_program
 
 # The most rows the engine sends here; more go to the skinny GEMM. ``experiments/floor_bench.py
@@ -39,6 +40,14 @@ _PROGRAM_ELEMENTS = 16 * 1024
 _NUM_WARPS = 8
 # Programs enough for about one on every SM (an H100 has 132): slices shrink until there are.
 _MIN_PROGRAMS = 128
+# Rows in a loop cost registers: the compiler converts the whole slice of weights to float32 ahead
+# of it (117 registers a thread at 8 warps for sm_90, two programs to an SM), where one row without
+# the loop takes 62 (four). A launch of one row drops the loop only where two to an SM leave programs
+# for a second wave: Qwen3-0.6B's gate/up (384 programs, an H100 has 132 SMs) then runs in one, and
+# batch-1 steps took 0.722-0.723 ms against 0.735-0.736 (median). Grids that fit at two gathered on
+# fewer SMs at four and ran slower there (qkv too: 0.743 against 0.736; o_proj and down_proj too:
+# 0.736-0.739 against 0.723-0.724; docs/performance.md).
+_LOOP_PROGRAMS_PER_SM = 2
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -54,6 +63,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ONE_ROW: tl.constexpr,  # M is 1: no row loop (_LOOP_PROGRAMS_PER_SM)
     PDL: tl.constexpr,
     clock_ptr,  # CLOCK: this launch's records (kernels.program_clock)
     CLOCK: tl.constexpr,
@@ -82,7 +92,7 @@ def _gemv_kernel(
     dtype = y_ptr.dtype.element_ty
     if NORM:
         norm_w = tl.load(norm_ptr + ks).to(tl.float32)
-    for row in range(M):
+    for row in range(1 if ONE_ROW else M):
         if NORM:
             h = tl.zeros([K], tl.float32)
             for s in tl.static_range(SPLITS_IN):
@@ -123,6 +133,10 @@ def _splits(k: int) -> int | None:
     None where no split of up to 16 is."""
     return next((s for s in range(1, 17) if k % s == 0 and (k // s) & (k // s - 1) == 0
                  and k // s <= _PROGRAM_ELEMENTS // 2), None)
+
+
+def _one_row(m: int, programs: int, device: torch.device) -> bool:
+    return m == 1 and programs > _LOOP_PROGRAMS_PER_SM * sm_count(device)
 
 
 def _norm_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -185,8 +199,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         m, n, x.stride(0) if partials else 0, x.stride(-2), 0 if residual is None else residual.stride(0),
         weight.stride(0), 0, y.stride(0), eps,
         K=k, SPLITS_IN=x.shape[0] if partials else 1, NORM=True, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, BLOCK_N=block_n, PDL=use_pdl, clock_ptr=records, CLOCK=clocked, num_warps=_NUM_WARPS,
-        launch_pdl=use_pdl,
+        SILU_MUL=silu_mul, BLOCK_N=block_n, ONE_ROW=_one_row(m, grid[0], x.device), PDL=use_pdl, clock_ptr=records,
+        CLOCK=clocked, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
     )
     return y, new_residual
 
@@ -210,7 +224,8 @@ def gemv_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _gemv_kernel[grid](
         x, x, x, x, weight, y,
         m, n, 0, x.stride(0), 0, weight.stride(0), y.stride(0), y.stride(1), 0.0,
-        K=per, SPLITS_IN=1, NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_N=block_n, PDL=use_pdl,
+        K=per, SPLITS_IN=1, NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_N=block_n,
+        ONE_ROW=_one_row(m, grid[0] * grid[1], x.device), PDL=use_pdl,
         clock_ptr=records, CLOCK=clocked, num_warps=_NUM_WARPS, launch_pdl=use_pdl,
     )
     return y

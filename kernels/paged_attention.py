@@ -12,10 +12,11 @@ K/V tile is read once for the whole GQA group and ``tl.dot`` gets at least 16 ro
 program applies QK-norm and rotary to its query heads and stores the new token's K/V, which saves
 ``norm_rope_store``'s kernel per layer (1-4 us per layer on an H100, most at small batches). At a
 batch of one its programs also read their first K/V tile, the step's inputs and the rotary angles
-before the PDL wait (none is written by a kernel of the step; the new token, stored after the wait,
-is patched into the tile from registers), so up to 1,024 tokens (16 splits of one 64-token tile) only
-the qkv row is read after it: single-stream decode steps of Qwen3-0.6B 0.814 -> 0.759 ms (median) on
-an H100 (docs/performance.md).
+before the PDL wait (none is written by a kernel of the step), so up to 961 tokens (15 splits of one
+64-token tile) only the qkv row is read after it: single-stream decode steps of Qwen3-0.6B 0.814 ->
+0.759 ms (median) on an H100. The new token there gets a split of its own, which stores it and
+attends to it alone, so no program waits for a store and patches it into its tile (0.750-0.751 ->
+0.736 ms; docs/performance.md).
 
 Prefill on Hopper loads each whole K/V tile with one TMA copy through a tensor descriptor of the
 cache (``tma``, for calls of ``TMA_MIN_QUERIES`` or more): 5-7% less kernel time than pointer loads
@@ -25,14 +26,13 @@ loads, so slots past a sequence's keys (whatever a freed block left there) are n
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import gemv
+from kernels.device import sm_count
 from kernels.norm_rope_store import check_qkv, norm_rope_heads
 from kernels.pdl import launch_pdl
 from kernels.program_clock import clock, global_time, program_slots, record_program
@@ -174,7 +174,8 @@ def _decode_kernel(
                 tl.extra.cuda.gdc_launch_dependents()
     # With PRELOAD, everything up to its wait below reads the step's inputs (copied in before its
     # first kernel), the rotary table and the K/V of earlier steps. The one K/V row a step writes is
-    # its new token's, which this kernel stores after the wait and patches into the preloaded tile.
+    # its new token's: the last split attends to it alone and stores it after the wait, and the
+    # other splits share the tokens before it, so none waits for another's store.
     ctx = tl.load(context_lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -184,10 +185,12 @@ def _decode_kernel(
         lo = 0
         hi = ctx
     else:
-        # Whole tiles per split, so only a sequence's last tile is ragged.
-        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE) * TILE
+        # Whole tiles per split, so only a sequence's last tile is ragged. With PRELOAD the last
+        # split's range comes out empty: (NUM_SPLITS - 1) * per_split >= cached.
+        cached = tl.maximum(ctx - 1, 0) if PRELOAD else ctx
+        per_split = tl.cdiv(tl.cdiv(cached, NUM_SPLITS - 1 if PRELOAD else NUM_SPLITS), TILE) * TILE
         lo = split * per_split
-        hi = tl.minimum(lo + per_split, ctx)
+        hi = tl.minimum(lo + per_split, cached)
     toks = tl.arange(0, TILE)
     bt_row = block_tables_ptr + seq64 * bt_stride
     if PRELOAD:
@@ -206,9 +209,12 @@ def _decode_kernel(
         cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + half).to(dtype).to(tl.float32)[None, :]
         sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HEAD_DIM // 2 + half).to(dtype).to(tl.float32)[None, :]
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-        # The program whose range holds this step's token (position ctx - 1) normalises, rotates and
-        # stores its K/V head; a slot of -1 stores nothing.
-        owner = (ctx - 1 >= lo) & (ctx - 1 < hi) & (slot >= 0)
+        # The program whose range holds this step's token (position ctx - 1), or with PRELOAD the
+        # last split, normalises, rotates and stores its K/V head; a slot of -1 stores nothing.
+        if PRELOAD:
+            owner = (split == NUM_SPLITS - 1) & (ctx >= 1) & (slot >= 0)
+        else:
+            owner = (ctx - 1 >= lo) & (ctx - 1 < hi) & (slot >= 0)
     if PDL and PRELOAD:
         tl.extra.cuda.gdc_wait()
         if CLOCK:
@@ -238,7 +244,8 @@ def _decode_kernel(
         else:
             k_new = tl.zeros([1, HEAD_DIM], k_cache_ptr.dtype.element_ty)
             v_new = tl.zeros([HEAD_DIM], v_cache_ptr.dtype.element_ty)
-        tl.debug_barrier()  # other threads of this program load what was just stored
+        if not PRELOAD:
+            tl.debug_barrier()  # other threads of this program load what was just stored
     else:
         q = tl.load(
             q_ptr + seq64 * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :],
@@ -252,11 +259,13 @@ def _decode_kernel(
     rest = lo  # where the tiles read after the wait start
     if PRELOAD:
         if lo < hi:
-            # The new token in the preloaded tile (read before it was stored) comes from registers.
-            is_new = ((lo + toks == ctx - 1) & owner)[:, None]
-            k_first = tl.where(is_new, k_new, k_first)
-            v_first = tl.where(is_new, v_new[None, :], v_first)
             m, l, acc = _attend_decode_tile(q, k_first, v_first, first_valid, m, l, acc, scale_log2, DOT_PRECISION)
+        if owner:
+            # One key: its weight is 1 against its own maximum, and the output is its value, exactly
+            # as a tile holding only this token computes them.
+            m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+            l = tl.full([GROUP_PAD], 1.0, tl.float32)
+            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32) + v_new.to(tl.float32)[None, :]
         rest = lo + TILE
     for start in range(rest, hi, TILE):
         valid = start + toks < hi
@@ -467,13 +476,6 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_num_splits(
     batch: int, num_kv_heads: int, device: torch.device, max_seqlen_k: int | None = None
 ) -> int:
@@ -481,7 +483,7 @@ def decode_num_splits(
     ``_MIN_SPLIT_TOKENS`` when the longest context is known. A power of two (fewer compiled
     variants); depends on host values only, so a captured graph keeps one split count."""
     programs = batch * num_kv_heads
-    splits = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1))
+    splits = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(programs, 1))
     if max_seqlen_k is not None:
         splits = min(splits, triton.cdiv(max_seqlen_k, _MIN_SPLIT_TOKENS))
     splits = max(1, min(splits, _MAX_SPLITS))
@@ -490,7 +492,7 @@ def decode_num_splits(
 
 def _decode_tile(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> int:
     """Keys per step of the decode kernel: the larger tile once there are programs enough."""
-    return 128 if batch * num_kv_heads * num_splits >= _LARGE_TILE_PROGRAMS_PER_SM * _sm_count(device) else 64
+    return 128 if batch * num_kv_heads * num_splits >= _LARGE_TILE_PROGRAMS_PER_SM * sm_count(device) else 64
 
 
 def _launches_first(batch: int) -> bool:
@@ -584,8 +586,9 @@ def decode_attention_from_qkv(
 
     ``qkv [B, (H + 2*KVH) * D]`` holds each sequence's new token, at ``positions`` (its context
     length minus one) and ``slot_mapping``. Each attention program normalises and rotates the query
-    heads of its group; the program whose range holds the new token also stores its K/V. Results
-    match the two kernels run one after the other. Returns ``[B, H, D]``."""
+    heads of its group; the program whose range holds the new token (at a batch of one with splits,
+    a split of its own) also stores its K/V. Results match the two kernels run one after the other
+    (at that batch of one, up to the order its partials are merged in). Returns ``[B, H, D]``."""
     num_heads = check_qkv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     head_dim = k_cache.shape[3]
     _check_cache(qkv.view(qkv.shape[0], -1, head_dim)[:, :num_heads], k_cache, v_cache)  # the query heads
@@ -637,7 +640,7 @@ def _launch_decode(
     # Without rope the rotary arguments are never read: any tensor stands in.
     positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache = (
         rope or (context_lens, context_lens, out, out, 0.0, out))
-    preload = small_batch and rope is not None
+    preload = small_batch and rope is not None and num_splits > 1
     records, clocked = program_slots("decode attention" + (" from qkv" if rope else ""),
                                      batch * num_kv_heads * num_splits, batch, out)
     _decode_kernel[(batch, num_kv_heads, num_splits)](

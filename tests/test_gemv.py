@@ -93,6 +93,21 @@ def test_slices_fit_a_program_and_fill_the_gpu() -> None:
     assert _splits(1024) == 1 and _splits(3072) == 3 and _splits(2560) == 5 and _splits(17 * 16) is None
 
 
+def test_one_row_drops_the_loop_only_where_two_programs_an_sm_need_a_second_wave(monkeypatch) -> None:
+    # Qwen3-0.6B at batch 1 on an H100's 132 SMs: gate/up drops the row loop; qkv, o_proj and
+    # down_proj keep it, as does every launch of more than one row.
+    monkeypatch.setattr(gemv, "sm_count", lambda device: 132)
+    h100 = torch.device("cuda", 0)
+    programs = {}
+    for name, n, k, silu_mul in (("qkv", 4096, 1024, False), ("o_proj", 1024, 2048, False),
+                                 ("gate_up", 3072, 1024, True), ("down", 1024, 3072, False)):
+        splits = _splits(k)
+        programs[name] = -(-n // _block_n(n, k // splits, silu_mul, splits)) * splits
+    assert programs == {"qkv": 256, "o_proj": 128, "gate_up": 384, "down": 192}
+    assert [name for name, count in programs.items() if gemv._one_row(1, count, h100)] == ["gate_up"]
+    assert not gemv._one_row(2, programs["gate_up"], h100)
+
+
 def test_refuses_what_it_cannot_take() -> None:
     weight = torch.randn(64, 96, dtype=torch.float16)
     with pytest.raises(ValueError, match="K a power of two"):

@@ -242,7 +242,12 @@ def _check_decode_from_qkv(
     q = norm_rope_store(*rope, k_two, v_two, slot_mapping)
     two = attn.decode_attention(q, k_two, v_two, lens, tables, scale, **kwargs)
     same_bits = device == "cpu"
-    assert torch.equal(out, two) if same_bits else _rel_err(out, two) < 1e-3, "fused decode vs the two kernels"
+    # At a batch of one with splits, the fused kernel gives the new token a split of its own: its
+    # splits sum other tiles in another order, and outputs may round to the neighbouring value.
+    if attn._launches_first(len(ctx_lens)) and kwargs.get("num_splits") != 1:
+        assert _rel_err(out, two) < torch.finfo(dtype).eps, "fused decode vs the two kernels"
+    else:
+        assert torch.equal(out, two) if same_bits else _rel_err(out, two) < 1e-3, "fused decode vs the two kernels"
     assert torch.equal(k_cache, k_two) if same_bits else _rel_err(k_cache, k_two) < 1e-3, "the K stores differ"
     assert torch.equal(v_cache, v_two), "V is copied, not computed: the stores must match exactly"
     ref = decode_attention_ref(norm_rope_store_ref(*rope, k_ref, v_ref, slot_mapping), k_ref, v_ref, lens, tables,
@@ -296,12 +301,12 @@ def test_decode_from_qkv_cpu(block_size: int, num_heads: int, num_kv_heads: int,
         for splits in (1, 4):
             _check_decode_from_qkv(ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", seed,
                                    num_splits=splits)
-    # One row takes the path that reads its first K/V tile before the new token is stored and patches
-    # the token in: the token first in that tile, inside it, past it (a later tile), splits left empty,
-    # and a padding row.
+    # One row with splits takes the path that reads its first K/V tile before the new token is stored
+    # and gives that token a split of its own: a one-token context, a token first in a block, the
+    # cached tokens in one tile or (two splits) in several, splits left empty, and a padding row.
     assert attn._launches_first(1) and not attn._launches_first(2)
     for seed, length in enumerate((1, block_size + 1, 70, 150, 0)):
-        for splits in (1, 16):
+        for splits in (1, 2, 16):
             _check_decode_from_qkv([length], num_heads, num_kv_heads, head_dim, block_size, torch.float16, "cpu",
                                    seed, num_splits=splits)
 

@@ -51,9 +51,9 @@ def test_stamps_leave_the_kernels_loads_where_they_were() -> None:
         assert (off["clock64"], off["globaltimer"], off["smid"]) == (0, 0, 0), name
         assert (on["clock64"], on["globaltimer"], on["smid"]) == (3, 1, 1), name
         # The same reads before the wait (what overlaps the previous kernel), in PTX and in the machine
-        # code, and the record's stores after it.
+        # code (whose scheduler may order them otherwise), and the record's stores after it.
         assert on["loads_before_wait"] == off["loads_before_wait"], name
-        assert on["sass_before_wait"] == off["sass_before_wait"], name
+        assert sorted(on["sass_before_wait"]) == sorted(off["sass_before_wait"]), name
         assert on["stores_after_wait"] == off["stores_after_wait"] + program_clock.RECORD, name
 
 
