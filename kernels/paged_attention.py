@@ -669,11 +669,15 @@ def _launch_decode(
         launch_pdl=pdl,
     )
     if num_splits > 1:
+        # At a batch of one its 16 programs are all the GPU does between attention and o_proj: 4 warps
+        # there took batch-1 steps to 0.708-0.709 ms against 0.710-0.715 (four pairs, H100, 0.6B); at
+        # 16 rows they lost 1.3%, so other batches keep 1-2.
+        reduce_warps = 4 if small_batch else 1 if head_dim <= 64 else 2
         records, clocked = program_slots("decode split reduction", batch * num_heads, batch, out)
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, LAUNCH_FIRST=launch_first, clock_ptr=records,
-            CLOCK=clocked, num_warps=1 if head_dim <= 64 else 2, launch_pdl=pdl,
+            CLOCK=clocked, num_warps=reduce_warps, launch_pdl=pdl,
         )
     return out
 
