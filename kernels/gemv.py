@@ -44,9 +44,10 @@ _MIN_PROGRAMS = 128
 # of it (117 registers a thread at 8 warps for sm_90, two programs to an SM), where one row without
 # the loop takes 62 (four). A launch of one row drops the loop only where two to an SM leave programs
 # for a second wave: Qwen3-0.6B's gate/up (384 programs, an H100 has 132 SMs) then runs in one, and
-# batch-1 steps took 0.722-0.723 ms against 0.735-0.736 (median). Grids that fit at two gathered on
-# fewer SMs at four and ran slower there (qkv too: 0.743 against 0.736; o_proj and down_proj too:
-# 0.736-0.739 against 0.723-0.724; docs/performance.md).
+# batch-1 steps took 0.722-0.724 ms against 0.735-0.736 (median). Grids that fit at two gathered on
+# fewer SMs at four and ran slower there (every gemv without the loop: 0.743 against 0.736; qkv too,
+# at 32 rows a program: 0.741 against 0.722-0.723; o_proj and down_proj too: 0.736-0.739 against
+# 0.723-0.724; docs/performance.md).
 _LOOP_PROGRAMS_PER_SM = 2
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -136,6 +137,7 @@ def _splits(k: int) -> int | None:
 
 
 def _one_row(m: int, programs: int, device: torch.device) -> bool:
+    """Whether a launch of ``programs`` drops the row loop (``_LOOP_PROGRAMS_PER_SM``)."""
     return m == 1 and programs > _LOOP_PROGRAMS_PER_SM * sm_count(device)
 
 

@@ -58,7 +58,8 @@ _LARGE_TILE_PROGRAMS_PER_SM = 5
 # the qkv product's leave their SMs (two of those hold 60 Ki of an SM's 64 Ki registers), and a
 # program timeline found three of them to an SM at 4 warps (167 registers a thread); at 8 (109) two
 # fit, and the batch-1 step took 0.753-0.756 ms against 0.757-0.760; 16 warps (one an SM) 0.755-0.757
-# (H100, docs/performance.md).
+# (H100, docs/performance.md). Those were measured before the new token got a split of its own; since,
+# ptxas 13.0 gives 105 registers at 8 warps (102 before) and 114 at 4 (168 before), not re-timed.
 _PRELOAD_WARPS = 8
 
 
@@ -181,6 +182,7 @@ def _decode_kernel(
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
+    tl.static_assert(not PRELOAD or NUM_SPLITS > 1, "PRELOAD gives the new token a split of its own")
     if NUM_SPLITS == 1:
         lo = 0
         hi = ctx
@@ -210,7 +212,8 @@ def _decode_kernel(
         sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HEAD_DIM // 2 + half).to(dtype).to(tl.float32)[None, :]
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         # The program whose range holds this step's token (position ctx - 1), or with PRELOAD the
-        # last split, normalises, rotates and stores its K/V head; a slot of -1 stores nothing.
+        # last split, normalises, rotates and stores its K/V head; a slot of -1 (only rows of no
+        # context: CUDA-graph padding) stores nothing.
         if PRELOAD:
             owner = (split == NUM_SPLITS - 1) & (ctx >= 1) & (slot >= 0)
         else:
@@ -499,12 +502,18 @@ def _launches_first(batch: int) -> bool:
     """Whether the decode kernels let the next kernel launch before they wait: a batch this small
     runs its products through kernels.gemv, whose programs load their weights before their wait, so
     o_proj's weights stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms;
-    docs/performance.md). Attention from qkv then also reads its first K/V tile before its wait (the
-    kernel's PRELOAD), whose registers (167 a thread against 88 at 4 warps; it launches at
+    docs/performance.md). Attention from qkv with more than one split then also reads its first K/V
+    tile before its wait (``_preloads``), whose registers (167 a thread against 88 at 4 warps; it launches at
     ``_PRELOAD_WARPS``) a larger grid would pay for in occupancy; without PDL (the CPU, GPUs before
     Hopper) that path only orders its loads so. One rule for the launches and for the variants warmed
     at start-up."""
     return batch <= gemv.MAX_ROWS
+
+
+def _preloads(batch: int, num_splits: int) -> bool:
+    """Whether decode attention from qkv reads its first K/V tile before its wait (``PRELOAD``), which
+    gives the new token a split of its own: at the batches that launch first, with splits."""
+    return _launches_first(batch) and num_splits > 1
 
 
 def decode_batches(max_batch: int, num_kv_heads: int, device: torch.device) -> list[int]:
@@ -640,7 +649,7 @@ def _launch_decode(
     # Without rope the rotary arguments are never read: any tensor stands in.
     positions, slot_mapping, q_norm_weight, k_norm_weight, eps, cos_sin_cache = (
         rope or (context_lens, context_lens, out, out, 0.0, out))
-    preload = small_batch and rope is not None and num_splits > 1
+    preload = rope is not None and _preloads(batch, num_splits)
     records, clocked = program_slots("decode attention" + (" from qkv" if rope else ""),
                                      batch * num_kv_heads * num_splits, batch, out)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
@@ -669,9 +678,9 @@ def _launch_decode(
         launch_pdl=pdl,
     )
     if num_splits > 1:
-        # At a batch of one its 16 programs are all the GPU does between attention and o_proj: 4 warps
-        # there took batch-1 steps to 0.708-0.709 ms against 0.710-0.715 (four pairs, H100, 0.6B); at
-        # 16 rows they lost 1.3%, so other batches keep 1-2.
+        # At the batches that launch first (one row) its programs, one a head, are all the GPU runs
+        # between attention and o_proj: 4 warps took batch-1 steps to 0.708-0.709 ms against
+        # 0.710-0.715 (four pairs, H100, 0.6B); at 16 rows they lost 1.3%, so larger batches keep 1-2.
         reduce_warps = 4 if small_batch else 1 if head_dim <= 64 else 2
         records, clocked = program_slots("decode split reduction", batch * num_heads, batch, out)
         _decode_reduce_kernel[(batch, num_heads)](

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from kernels import gemv
 from kernels.gemv import _block_n, _splits, gemv_partials, norm_gemv
@@ -102,7 +103,7 @@ def test_one_row_drops_the_loop_only_where_two_programs_an_sm_need_a_second_wave
     for name, n, k, silu_mul in (("qkv", 4096, 1024, False), ("o_proj", 1024, 2048, False),
                                  ("gate_up", 3072, 1024, True), ("down", 1024, 3072, False)):
         splits = _splits(k)
-        programs[name] = -(-n // _block_n(n, k // splits, silu_mul, splits)) * splits
+        programs[name] = triton.cdiv(n, _block_n(n, k // splits, silu_mul, splits)) * splits
     assert programs == {"qkv": 256, "o_proj": 128, "gate_up": 384, "down": 192}
     assert [name for name, count in programs.items() if gemv._one_row(1, count, h100)] == ["gate_up"]
     assert not gemv._one_row(2, programs["gate_up"], h100)

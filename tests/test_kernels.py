@@ -244,7 +244,8 @@ def _check_decode_from_qkv(
     same_bits = device == "cpu"
     # At a batch of one with splits, the fused kernel gives the new token a split of its own: its
     # splits sum other tiles in another order, and outputs may round to the neighbouring value.
-    if attn._launches_first(len(ctx_lens)) and kwargs.get("num_splits") != 1:
+    splits = kwargs.get("num_splits") or attn.decode_num_splits(len(ctx_lens), num_kv_heads, out.device)
+    if attn._preloads(len(ctx_lens), splits):
         assert _rel_err(out, two) < torch.finfo(dtype).eps, "fused decode vs the two kernels"
     else:
         assert torch.equal(out, two) if same_bits else _rel_err(out, two) < 1e-3, "fused decode vs the two kernels"
