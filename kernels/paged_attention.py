@@ -503,10 +503,10 @@ def _launches_first(batch: int) -> bool:
     runs its products through kernels.gemv, whose programs load their weights before their wait, so
     o_proj's weights stream during attention (batch 1, H100: decode steps 0.842 -> 0.813 ms;
     docs/performance.md). Attention from qkv with more than one split then also reads its first K/V
-    tile before its wait (``_preloads``), whose registers (167 a thread against 88 at 4 warps; it launches at
-    ``_PRELOAD_WARPS``) a larger grid would pay for in occupancy; without PDL (the CPU, GPUs before
-    Hopper) that path only orders its loads so. One rule for the launches and for the variants warmed
-    at start-up."""
+    tile before its wait (``_preloads``), whose registers (167 a thread against 88 at 4 warps when
+    measured; it launches at ``_PRELOAD_WARPS``) a larger grid would pay for in occupancy; without
+    PDL (the CPU, GPUs before Hopper) that path only orders its loads so. One rule for the launches
+    and for the variants warmed at start-up."""
     return batch <= gemv.MAX_ROWS
 
 
@@ -597,7 +597,7 @@ def decode_attention_from_qkv(
     length minus one) and ``slot_mapping``. Each attention program normalises and rotates the query
     heads of its group; the program whose range holds the new token (at a batch of one with splits,
     a split of its own) also stores its K/V. Results match the two kernels run one after the other
-    (at that batch of one, up to the order its partials are merged in). Returns ``[B, H, D]``."""
+    (at that batch of one up to rounding: its splits hold other tiles). Returns ``[B, H, D]``."""
     num_heads = check_qkv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     head_dim = k_cache.shape[3]
     _check_cache(qkv.view(qkv.shape[0], -1, head_dim)[:, :num_heads], k_cache, v_cache)  # the query heads
