@@ -206,8 +206,16 @@ def test_an_idle_live_engines_throughput_scrolls_on_in_zeros():
     async def go():
         async with app.run_test(size=(80, 24)) as pilot:
             await _settle(pilot)
-            assert app.query_one("#decode-spark").data == [0.0] * len(app.query_one("#decode-spark").data)
-            assert "decode  0 tok/s" in "\n".join(screen(app))
+            widths = []
+            for size in ((80, 24), (160, 40)):
+                await pilot.resize_terminal(*size)
+                await pilot.pause()
+                spark = app.query_one("#decode-spark").data
+                assert spark == [0.0] * len(spark), size
+                assert "decode  0 tok/s" in "\n".join(screen(app))
+                widths.append(len(spark))
+                app._timer.pause()  # no tick redraws now: the resize's redraw must keep the idle columns
+            assert widths[1] > widths[0]
 
     run(go())
 

@@ -17,11 +17,12 @@ class LatencyPanel(Vertical):
         self.border_title = "Throughput and latency"
         self.border_subtitle = f"{BUCKET_S:g} s per column"
         self._state: DashboardState | None = None
+        self._now: float | None = None
         self._shown: tuple[int, int, list[list[float]]] | None = None
 
     def on_resize(self) -> None:
-        if self._state is not None:  # how much history fits depends on the width
-            self.call_after_refresh(self.show, self._state)
+        if self._state is not None:  # how much history fits depends on the width; idle columns stay
+            self.call_after_refresh(self.show, self._state, self._now)
 
     def compose(self) -> ComposeResult:
         for name in ("prefill", "decode"):
@@ -34,7 +35,7 @@ class LatencyPanel(Vertical):
         """``now``: a live engine's clock, so that an idle engine's history scrolls on in zeros."""
         if len(self.query(Sparkline)) < 2:  # called every tick: one can come before its rows are mounted
             return
-        self._state = state
+        self._state, self._now = state, now
         width = max(1, self.query_one("#prefill-spark").content_size.width)
         # Left-padded so that history scrolls in from the right at a fixed 0.5 s per column.
         raw = state.throughput_history(now)
