@@ -32,22 +32,21 @@ def pdl_kernel_specs() -> dict[str, tuple]:
     from kernels.skinny_gemm import _skinny_gemm_kernel
 
     i32, f32 = "i32", "fp32"
+    # Qwen3-0.6B's gate/up after o_proj's partials, one row: 8 gate and 8 up rows of 1,024 a program.
+    gemv_signature = dict(
+        x_ptr="*fp32", residual_ptr="*bf16", residual_out_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16",
+        y_ptr="*bf16", M=i32, N=i32, stride_xs=i32, stride_xm=i32, stride_r=i32, stride_wn=i32, stride_ys=i32,
+        stride_ym=i32, eps=f32, clock_ptr="*i64")
+    gate_up = dict(K=1024, SPLITS_IN=4, NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_N=8, ONE_ROW=True,
+                   CLOCK=False)
     kernels = {
         "skinny_gemm": (_skinny_gemm_kernel, dict(
             x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", M=i32, N=i32, K_PER_SPLIT=i32, stride_xm=i32,
             stride_wn=i32, stride_ym=i32), dict(SILU_MUL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)),
-        # Qwen3-0.6B's gate/up after o_proj's partials, one row: 8 gate and 8 up rows of 1,024 a program.
-        "gemv": (_gemv_kernel, dict(
-            x_ptr="*fp32", residual_ptr="*bf16", residual_out_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16",
-            y_ptr="*bf16", M=i32, N=i32, stride_xs=i32, stride_xm=i32, stride_r=i32, stride_wn=i32, stride_ys=i32,
-            stride_ym=i32, eps=f32, clock_ptr="*i64"), dict(K=1024, SPLITS_IN=4, NORM=True, HAS_RESIDUAL=True,
-                                                            SILU_MUL=True, BLOCK_N=8, ONE_ROW=True, CLOCK=False)),
+        "gemv": (_gemv_kernel, gemv_signature, gate_up),
         # Its qkv after down_proj's three partials keeps the row loop: 16 rows of 1,024 a program.
-        "gemv_loop": (_gemv_kernel, dict(
-            x_ptr="*fp32", residual_ptr="*bf16", residual_out_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16",
-            y_ptr="*bf16", M=i32, N=i32, stride_xs=i32, stride_xm=i32, stride_r=i32, stride_wn=i32, stride_ys=i32,
-            stride_ym=i32, eps=f32, clock_ptr="*i64"), dict(K=1024, SPLITS_IN=3, NORM=True, HAS_RESIDUAL=True,
-                                                            SILU_MUL=False, BLOCK_N=16, ONE_ROW=False, CLOCK=False)),
+        "gemv_loop": (_gemv_kernel, gemv_signature, {
+            **gate_up, "SPLITS_IN": 3, "SILU_MUL": False, "BLOCK_N": 16, "ONE_ROW": False}),
         "rms_norm": (_rms_norm_kernel, dict(
             x_ptr="*fp32", ranks_ptr="*i64", residual_ptr="*bf16", residual_out_ptr="*bf16", weight_ptr="*bf16",
             y_ptr="*bf16", n=i32, stride_split=i32, stride_x=i32, stride_r=i32, stride_y=i32, eps=f32),
