@@ -83,6 +83,11 @@ def _gemv_kernel(
     w = tl.load(w_rows, mask=n_mask[:, None], other=0.0)
     if SILU_MUL:
         w_up = tl.load(w_rows + N.to(tl.int64) * stride_wn, mask=n_mask[:, None], other=0.0)
+    if NORM:
+        # The norm's weight depends on no kernel either: read here, it is no load in the chain after
+        # the wait (batch-1 steps of Qwen3-0.6B 0.717-0.719 -> 0.706-0.707 ms median, H100;
+        # docs/performance.md).
+        norm_w = tl.load(norm_ptr + ks).to(tl.float32)
     if PDL:
         # The next kernel launches before this one waits, not after: it has work that reads no
         # kernel's output too (the next product's weights), which then overlaps this wait.
@@ -91,8 +96,6 @@ def _gemv_kernel(
         if CLOCK:
             waited = clock()
     dtype = y_ptr.dtype.element_ty
-    if NORM:
-        norm_w = tl.load(norm_ptr + ks).to(tl.float32)
     for row in range(1 if ONE_ROW else M):
         if NORM:
             h = tl.zeros([K], tl.float32)
