@@ -7,15 +7,18 @@ One request (32 random prompt tokens) decodes ``--tokens`` tokens through the en
 graph, captured with the gemv, decode attention and its split reduction stamping each program; the
 records are the last step's (each replay overwrites them). For one layer (default: the middle one)
 it prints, per kernel in launch order, its programs' start, wait and end times (min, median, max, in
-us from the layer's first program start) and which program ended last; each SM's cycles are placed
-on the GPU's global timer. What profilers cannot show under PDL (kernels overlap, and each kernel's
-time includes its wait) is here: whether a kernel's programs found room beside the previous
-kernel's, how long their work after the wait took, and which program the next kernel waited for.
+us from the layer's first program start), the median end of the half that started first and of the
+half that started last, the most programs one SM ran, and which program ended last; each SM's
+cycles are placed on the GPU's global timer. What profilers cannot show under PDL (kernels overlap,
+and each kernel's time includes its wait) is here: whether a kernel's programs found room beside
+the previous kernel's, whether its late ends are its late starts, how long their work after the wait
+took, and which program the next kernel waited for.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import statistics
@@ -66,6 +69,10 @@ class KernelTimes:
     start_us: tuple[float, float, float]  # min, median, max
     waited_us: tuple[float, float, float]
     end_us: tuple[float, float, float]
+    # The median end of the half of its programs that started first, and of the half that started
+    # last (an odd count's middle program in both): whether late ends come from late starts.
+    end_by_start_us: tuple[float, float]
+    most_on_an_sm: int  # the most of its programs that one SM ran
     last_program: int  # the program that ended last
 
 
@@ -89,22 +96,32 @@ def layer_times(launches: list[tuple[Launch, list[list[int]]]], layers: int,
         return (r[field] * rate + offset[r[SM]]) / 1e3
 
     origin = min(at(r, START) for _, records in ours for r in records)
-    return rate, [KernelTimes(launch.name, launch.programs, len({r[SM] for r in records}),
-                              _spread([at(r, START) - origin for r in records]),
-                              _spread([at(r, WAITED) - origin for r in records]),
-                              _spread([at(r, END) - origin for r in records]),
-                              max(range(len(records)), key=lambda i: at(records[i], END)))
-                  for launch, records in ours]
+
+    def kernel(launch: Launch, records: list[list[int]]) -> KernelTimes:
+        ends = [at(r, END) - origin for r in sorted(records, key=lambda r: at(r, START))]
+        on_sm = collections.Counter(r[SM] for r in records)
+        return KernelTimes(launch.name, launch.programs, len(on_sm),
+                           _spread([at(r, START) - origin for r in records]),
+                           _spread([at(r, WAITED) - origin for r in records]),
+                           _spread(ends),
+                           (statistics.median(ends[:(len(ends) + 1) // 2]), statistics.median(ends[len(ends) // 2:])),
+                           max(on_sm.values()),
+                           max(range(len(records)), key=lambda i: at(records[i], END)))
+
+    return rate, [kernel(launch, records) for launch, records in ours]
 
 
 def report(r: dict) -> None:
     print(f"layer {r['layer']}, us from its first program's start (SM clock {1 / r['ns_per_cycle']:.3f} GHz); "
           "min / median / max over the kernel's programs")
-    print(f"{'kernel':32} {'programs':>8} {'SMs':>4}   {'start':>20}   {'wait returned':>20}   {'end':>20}  last")
+    print("(end by start: the median end of the programs that started first, half of them, and of those that "
+          "started last; most: the most programs one SM ran)")
+    print(f"{'kernel':32} {'programs':>8} {'SMs':>4} {'most':>4}   {'start':>20}   {'wait returned':>20}   "
+          f"{'end':>20}   {'end by start':>13}  last")
     for k in r["kernels"]:
         cells = ["{:6.2f} {:6.2f} {:6.2f}".format(*k[field]) for field in ("start_us", "waited_us", "end_us")]
-        print(f"{k['name'][:32]:32} {k['programs']:>8} {k['sms']:>4}   " + "   ".join(cells)
-              + f"  #{k['last_program']}")
+        print(f"{k['name'][:32]:32} {k['programs']:>8} {k['sms']:>4} {k['most_on_an_sm']:>4}   " + "   ".join(cells)
+              + "   {:6.2f} {:6.2f}".format(*k["end_by_start_us"]) + f"  #{k['last_program']}")
 
 
 def run(args: argparse.Namespace) -> dict:

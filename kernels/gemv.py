@@ -41,13 +41,14 @@ _NUM_WARPS = 8
 # Programs enough for about one on every SM (an H100 has 132): slices shrink until there are.
 _MIN_PROGRAMS = 128
 # Rows in a loop cost registers: the compiler converts the whole slice of weights to float32 ahead
-# of it (117 registers a thread at 8 warps for sm_90, two programs to an SM), where one row without
-# the loop takes 62 (four). A launch of one row drops the loop only where two to an SM leave programs
-# for a second wave: Qwen3-0.6B's gate/up (384 programs, an H100 has 132 SMs) then runs in one, and
-# batch-1 steps took 0.722-0.724 ms against 0.735-0.736 (median). Grids that fit at two gathered on
-# fewer SMs at four and ran slower there (every gemv without the loop: 0.743 against 0.736; qkv too,
-# at 32 rows a program: 0.741 against 0.722-0.723; o_proj and down_proj too: 0.736-0.739 against
-# 0.723-0.724; docs/performance.md).
+# of it (116-117 registers a thread at 8 warps for sm_90, two programs to an SM), where one row
+# without the loop takes 62 (64 with the norm's weight held across the wait: still four). A launch
+# of one row drops the loop only where two to an SM leave programs for a second wave: Qwen3-0.6B's
+# gate/up (384 programs, an H100 has 132 SMs) then runs in one, and batch-1 steps took 0.722-0.724
+# ms against 0.735-0.736 (median). Grids that fit at two gathered on fewer SMs at four and ran
+# slower there (every gemv without the loop: 0.743 against 0.736; qkv too, at 32 rows a program:
+# 0.741 against 0.722-0.723; o_proj and down_proj too: 0.736-0.739 against 0.723-0.724); o_proj
+# alone without it tied (0.717-0.718 against 0.716-0.717; docs/performance.md).
 _LOOP_PROGRAMS_PER_SM = 2
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -84,9 +85,9 @@ def _gemv_kernel(
     if SILU_MUL:
         w_up = tl.load(w_rows + N.to(tl.int64) * stride_wn, mask=n_mask[:, None], other=0.0)
     if NORM:
-        # The norm's weight depends on no kernel either: read here, it is no load in the chain after
-        # the wait (batch-1 steps of Qwen3-0.6B 0.717-0.719 -> 0.706-0.707 ms median, H100;
-        # docs/performance.md).
+        # Like the weight slice, the norm's weight is written by no kernel: read before the wait, the
+        # loads after it are only of the previous kernel's output (batch-1 steps of Qwen3-0.6B 0.717
+        # -> 0.706 ms median, H100; docs/performance.md).
         norm_w = tl.load(norm_ptr + ks).to(tl.float32)
     if PDL:
         # The next kernel launches before this one waits, not after: it has work that reads no

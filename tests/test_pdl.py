@@ -147,8 +147,8 @@ def test_pdl_kernels_touch_no_dependent_memory_before_their_wait() -> None:
     # The gemv, and decode attention at its batch sizes, let the next kernel launch before they wait.
     assert [name for name, kernel in found.items() if kernel["launches_first"]] == [
         "gemv", "gemv_loop", "decode_reduce", "decode_preload"]
-    # The gemv's weights and nothing else: 16 rows of 1,024 bf16 over 256 threads, 16 bytes a load,
-    # and the RMSNorm's 1,024 bf16 weight, 8 bytes a thread; with the row loop or without.
+    # The gemv's weight slice and the norm's weight, nothing else: 16 rows of 1,024 bf16 over 256
+    # threads, 16 bytes a load, and 1,024 bf16, 8 bytes a thread; with the row loop or without.
     assert found["gemv"]["load_ops"] == found["gemv_loop"]["load_ops"] == {
         "ld.global.v4.b32": 16 * 1024 * 2 // (256 * 16), "ld.global.v2.b32": 1}
     # Decode attention at one row (``_PRELOAD_WARPS`` = 8): the context length and one block-table entry

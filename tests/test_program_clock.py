@@ -5,6 +5,7 @@ table (``experiments/program_timeline.py``)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -112,20 +113,35 @@ def test_a_layer_table_gives_each_kernels_spread_in_us_from_the_layers_first_sta
                              _record(16_000, 18_000, 20_000, 1, -2_000, rate)]),
              launch("attention", [_record(14_000, 16_000, 30_000, 0, 0, rate),
                                   _record(20_000, 22_000, 22_000, 1, -2_000, rate),
-                                  _record(20_000, 22_000, 24_000, 1, -2_000, rate)])]
+                                  _record(20_400, 22_000, 24_000, 1, -2_000, rate)])]
     early = [launch("gemv", [_record(0, 100, 200, 0, 0, rate), _record(4_000, 4_100, 4_200, 1, -2_000, rate)]),
              launch("attention", [_record(200, 300, 400, 0, 0, rate), _record(4_200, 4_300, 4_400, 1, -2_000, rate),
                                   _record(4_300, 4_400, 4_500, 1, -2_000, rate)])]
     rate_found, (gemv, attention) = layer_times(early + layer, layers=2, layer=1)
     assert rate_found == pytest.approx(rate)
     # SM 1's cycle 16,000 is at 8,000 - 2,000 = 6,000 ns: 1 us after the layer's first start.
-    assert gemv == KernelTimes("gemv", 2, 2, (0.0, 0.5, 1.0), (1.0, 1.5, 2.0), (2.0, 2.5, 3.0), 1)
-    assert attention.sms == 2 and attention.start_us == (pytest.approx(2.0), 3.0, 3.0)
+    assert gemv == KernelTimes("gemv", 2, 2, (0.0, 0.5, 1.0), (1.0, 1.5, 2.0), (2.0, 2.5, 3.0), (2.0, 3.0), 1, 1)
+    assert attention.sms == 2 and attention.start_us == (pytest.approx(2.0), 3.0, pytest.approx(3.2))
     assert attention.end_us[2] == pytest.approx(10.0) and attention.last_program == 0
+    # By start: the first (SM 0, ends at 10 us) and the middle one (SM 1, 4 us); the middle one and
+    # the last (SM 1 too, 5 us). SM 1 ran two of them.
+    assert attention.end_by_start_us == (pytest.approx(7.0), pytest.approx(4.5))
+    assert attention.most_on_an_sm == 2
     with pytest.raises(ValueError, match="do not split into 3 layers"):
         layer_times(early + layer, layers=3, layer=0)
     with pytest.raises(ValueError, match="layer 2 is not one of the model's 2"):
         layer_times(early + layer, layers=2, layer=2)
+
+
+def test_the_report_prints_a_row_per_kernel(capsys) -> None:
+    qkv = KernelTimes("norm_gemv 4096x1024", 256, 132, (0.0, 1.75, 2.5), (2.5, 2.75, 3.25), (4.5, 5.0, 5.75),
+                      (4.75, 5.25), 2, 196)
+    program_timeline.report({"layer": 14, "ns_per_cycle": 0.5, "kernels": [asdict(qkv)]})
+    header, legend, columns, row = capsys.readouterr().out.splitlines()
+    assert header.startswith("layer 14,") and "2.000 GHz" in header
+    assert "end by start" in legend and "end by start" in columns
+    assert row.split() == ["norm_gemv", "4096x1024", "256", "132", "2", "0.00", "1.75", "2.50", "2.50", "2.75",
+                           "3.25", "4.50", "5.00", "5.75", "4.75", "5.25", "#196"]
 
 
 def test_the_program_timeline_needs_cuda_and_says_so(monkeypatch, capsys) -> None:
