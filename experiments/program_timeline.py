@@ -99,12 +99,13 @@ def layer_times(launches: list[tuple[Launch, list[list[int]]]], layers: int,
 
     def kernel(launch: Launch, records: list[list[int]]) -> KernelTimes:
         ends = [at(r, END) - origin for r in sorted(records, key=lambda r: at(r, START))]
+        first_half, last_half = ends[:(len(ends) + 1) // 2], ends[len(ends) // 2:]
         on_sm = collections.Counter(r[SM] for r in records)
         return KernelTimes(launch.name, launch.programs, len(on_sm),
                            _spread([at(r, START) - origin for r in records]),
                            _spread([at(r, WAITED) - origin for r in records]),
                            _spread(ends),
-                           (statistics.median(ends[:(len(ends) + 1) // 2]), statistics.median(ends[len(ends) // 2:])),
+                           (statistics.median(first_half), statistics.median(last_half)),
                            max(on_sm.values()),
                            max(range(len(records)), key=lambda i: at(records[i], END)))
 
