@@ -84,13 +84,14 @@ def _gemv_kernel(
         # Gate's rows then up's in one tile, so that one sum across the warps gives both: 9 barriers
         # after the wait against 12 with two tiles (SASS of tests/test_pdl.py's one-row spec), and
         # batch-1 steps of Qwen3-0.6B 0.706 -> 0.702 ms median (H100; docs/performance.md).
-        rows = tl.arange(0, 2 * BLOCK_N)
-        gate_cols = pid_n * BLOCK_N + rows % BLOCK_N
-        w = tl.load(w_ptr + (gate_cols + rows // BLOCK_N * N)[:, None].to(tl.int64) * stride_wn + split * K
-                    + ks[None, :], mask=(gate_cols < N)[:, None], other=0.0)
+        tile_rows = tl.arange(0, 2 * BLOCK_N)
+        tile_cols = pid_n * BLOCK_N + tile_rows % BLOCK_N
+        w_rows = tile_cols + tile_rows // BLOCK_N * N
     else:
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + split * K + ks[None, :],
-                    mask=n_mask[:, None], other=0.0)
+        tile_cols = cols
+        w_rows = cols
+    w = tl.load(w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + split * K + ks[None, :],
+                mask=(tile_cols < N)[:, None], other=0.0)
     if NORM:
         # Like the weight slice, the norm's weight is written by no kernel: read before the wait, the
         # loads after it are only of the previous kernel's output (batch-1 steps of Qwen3-0.6B 0.717
