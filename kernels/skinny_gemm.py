@@ -20,6 +20,10 @@ A plain product whose output is the hidden size (attention's o_proj and the MLP'
 product; the RMSNorm that always follows these projections adds the partials as it loads them
 (``kernels.rms_norm``), so the split costs no reduction kernel. H100, 28 layers' weights per CUDA
 graph, product + norm at 1-128 rows: o_proj 5.6-7.3 vs 7.0-8.2 us, down_proj 7.0-8.3 vs 8.6-9.6.
+At 129-256 rows Qwen3-0.6B's two still split (64 x 64 tiles, K in halves): alone they gain only
+0.4-1.0 us a layer on cuBLAS (256 rows: o_proj 7.9 vs 8.3 us, down_proj 9.4 vs 10.5), but in the
+step they keep the layer's chain of PDL launches unbroken, and the yardstick's steps at 129-256
+rows took 1.4-1.9% less (H100, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ from kernels import pdl
 # prefill, and decode batches of models where the product is no longer bandwidth-bound (Qwen3-0.6B
 # stays below this up to 341 rows, Qwen3-4B up to 43).
 MAX_MACS = 2**31
-# o_proj/down_proj split K up to this many rows; above it cuBLAS's tiles already fill the GPU.
-SPLIT_K_MAX_ROWS = 128
+# o_proj/down_proj split K up to SPLIT_K_MAX_ROWS rows. Above NARROW_SPLIT_K_ROWS rows only products
+# of at most WIDE_SPLIT_K_MAX_MACS multiply-adds do (Qwen3-0.6B's, at up to 256 rows): those were timed
+# against cuBLAS there; larger models' products were not, and keep cuBLAS's tiles, which fill more of
+# the GPU the wider the weight.
+SPLIT_K_MAX_ROWS = 256
+NARROW_SPLIT_K_ROWS = 128
+WIDE_SPLIT_K_MAX_MACS = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +155,10 @@ def choose_split_k_config(m: int, k: int) -> GemmConfig | None:
     or None where cuBLAS is as fast (more rows) or no split divides K into whole reduction steps."""
     if m > SPLIT_K_MAX_ROWS:
         return None
+    if m > NARROW_SPLIT_K_ROWS:
+        # The fastest split-K tile, with the norm after it, at 192 and 256 rows (H100, 0.6B's o_proj
+        # and down_proj, docs/performance.md).
+        return GemmConfig(64, 64, 256, num_stages=3, split_k=2) if k % 512 == 0 else None
     split_k = 4 if m <= 64 else 2
     if k % split_k:
         return None
@@ -185,9 +198,12 @@ def skinny_gemm_fits(x: torch.Tensor, weight: torch.Tensor, max_macs: int = MAX_
 
 
 def split_k_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_gemm_partials`` takes this product: 16-bit operands on CUDA and a split-K tile
-    for its shape."""
-    return _tiled_for(x) and choose_split_k_config(x.shape[0], weight.shape[1]) is not None
+    """Whether ``skinny_gemm_partials`` takes this product: 16-bit operands on CUDA, a split-K tile for
+    its shape, and above ``NARROW_SPLIT_K_ROWS`` rows at most ``WIDE_SPLIT_K_MAX_MACS`` multiply-adds."""
+    m = x.shape[0]
+    if m > NARROW_SPLIT_K_ROWS and m * weight.numel() > WIDE_SPLIT_K_MAX_MACS:
+        return False
+    return _tiled_for(x) and choose_split_k_config(m, weight.shape[1]) is not None
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> None:

@@ -148,6 +148,37 @@ def test_single_stream_decode_matches_transformers(preset, gemv_rows, monkeypatc
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
+def test_greedy_tokens_match_transformers_at_every_batch_size(monkeypatch):
+    """200 requests decode together and finish four a step (4 to 53 tokens each, one 64), so decode
+    steps run at every batch size from 200 rows to 1, through each product's path (split-K o_proj and
+    down_proj included, up to 256 rows since #29) and every split count of attention: the same rule."""
+    import models.qwen3
+    from kernels import skinny_gemm
+
+    split_rows = []
+
+    def counted(x, weight, config=None):
+        split_rows.append(x.shape[0])
+        return skinny_gemm.skinny_gemm_partials(x, weight, config)
+
+    monkeypatch.setattr(models.qwen3, "skinny_gemm_partials", counted)
+    model_dir = ensure_checkpoint("qwen3-0.6b")
+    llm = LLM(str(model_dir), kvcache_block_size=256, max_model_len=512, gpu_memory_utilization=0.5)
+    rng = random.Random(3)
+    prompts = prompts_for(llm.model_config.vocab_size, [rng.randrange(4, 64) for _ in range(200)], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=64 if i == 199 else 4 + i // 4, ignore_eos=True)
+              for i in range(200)]
+    outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    # The decode graphs above 128 rows were captured through the split-K product.
+    assert any(128 < rows <= 256 for rows in split_rows), sorted(set(split_rows))
+    counts = check_against_reference(model_dir, prompts, outputs)
+    assert counts["exempt"] <= 0.05 * counts["checked"]
+    assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
+
+
 def test_cuda_graphs_and_eager_give_the_same_greedy_tokens():
     model_dir = ensure_checkpoint("tiny")
     prompts = prompts_for(4096, [5, 50, 120, 17, 300, 9, 64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])

@@ -481,6 +481,7 @@ def _check_skinny_gemm_partials(m: int, n: int, k: int, config: GemmConfig | Non
     (1, 64, 1024, None),  # split 4 of 256-wide steps
     (20, 96, 512, None),  # N not a multiple of the tile
     (100, 64, 512, None),  # 65-128 rows: split 2
+    (200, 96, 1024, None),  # 129-256 rows: 64 x 64 tiles, K in halves; N not a multiple of the tile
     (3, 64, 384, GemmConfig(16, 32, 64, split_k=3)),
 ])
 def test_skinny_gemm_partials_cpu(m: int, n: int, k: int, config: GemmConfig | None) -> None:
@@ -493,7 +494,10 @@ def test_choose_split_k_config() -> None:
             c = choose_split_k_config(m, k)
             assert c is not None and k % (c.split_k * c.block_k) == 0 and c.block_m >= min(m, 16)
             assert c.split_k == (4 if m <= 64 else 2)
-    assert choose_split_k_config(129, 2048) is None  # cuBLAS's tiles fill the GPU from here on
+    for m in (129, 256):  # wider tiles, K in halves of whole 256-wide steps
+        assert choose_split_k_config(m, 2048) == GemmConfig(64, 64, 256, num_stages=3, split_k=2)
+        assert choose_split_k_config(m, 3072) is not None and choose_split_k_config(m, 1280) is None
+    assert choose_split_k_config(257, 2048) is None  # cuBLAS's tiles fill the GPU from here on
     assert choose_split_k_config(8, 4 * 40) is None  # no whole 64-wide steps in each quarter of K
 
 
@@ -786,16 +790,20 @@ def test_skinny_gemm_gpu(m: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
-@pytest.mark.parametrize("m", (1, 2, 8, 16, 33, 64, 65, 128))
+@pytest.mark.parametrize("m", (1, 2, 8, 16, 33, 64, 65, 128, 129, 200, 256))
 def test_skinny_gemm_partials_gpu(m: int) -> None:
-    """o_proj and down_proj of Qwen3-0.6B and -4B at every row count the engine splits, and the norm
-    that adds the partials."""
-    for n, k in ((1024, 2048), (1024, 3072), (2560, 4096), (2560, 9728)):
+    """o_proj and down_proj of Qwen3-0.6B and -4B at every row count the engine splits them, and the
+    norm that adds the partials."""
+    shapes = ((1024, 2048), (1024, 3072)) + (((2560, 4096), (2560, 9728)) if m <= 128 else ())
+    for n, k in shapes:
         _check_skinny_gemm_partials(m, n, k, None, torch.bfloat16, "cuda", m)
     _check_rms_norm_of_partials(4 if m <= 64 else 2, m, 1024, torch.bfloat16, "cuda", m)
     x = torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda")
     assert split_k_fits(x, torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda"))
-    assert not split_k_fits(torch.empty(129, 2048, dtype=torch.bfloat16, device="cuda"), x[:1])
+    # From 129 rows on the 4B's o_proj (2,560 x 4,096) stays on cuBLAS.
+    four_b_o_proj = torch.empty(2560, 4096, dtype=torch.bfloat16, device="cuda")
+    assert split_k_fits(torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda"), four_b_o_proj) == (m <= 128)
+    assert not split_k_fits(torch.empty(257, 2048, dtype=torch.bfloat16, device="cuda"), x[:1])
     # float32 (the labs' --dtype float32): the tiles would not fit in shared memory, cuBLAS takes it.
     x32, w32 = x.float(), torch.empty(1024, 2048, device="cuda")
     assert not split_k_fits(x32, w32) and not skinny_gemm_fits(x32, w32)
