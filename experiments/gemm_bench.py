@@ -14,8 +14,8 @@ measured in the same run.
 With 1 among ``--rows`` it also times the batch-1 path (``kernels.gemv``): each product chained
 over the layers, then a layer's four products chained, against their weights' floor.
 
-``--sweep`` times every tile candidate of each product (with ``--rows`` up to 128, the split-K
-tiles of o and down with the norm that adds their partials) and prints the three fastest after what
+``--sweep`` times every tile candidate of each product (for o and down, where the engine splits K,
+the split-K tiles with the norm that adds their partials) and prints the three fastest after what
 the engine picks. ``--prefill-rows`` times prefill's gate_up+silu at those rows: cuBLAS and the SiLU
 kernel against ``kernels.prefill_gemm``'s product with the activation in its epilogue.
 """
