@@ -15,7 +15,8 @@ nano-vllm's ``prefill-first`` off); ``--profile`` lists where the GPU time of
 full-batch decode steps goes.
 With telemetry on, every decode step is also set against its own floor, in batch ranges that
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
-with the batch.
+with the batch. The same by CUDA graph follows (each graph's batches: one past the next smaller
+graph up to its size), where a kernel choice that changes at some row count shows as a step.
 """
 
 from __future__ import annotations
@@ -104,24 +105,52 @@ def decode_floor(step_reads: list[tuple[int, int]], output_tokens: int, bandwidt
     return Floor(bandwidth, total, seconds, output_tokens / seconds)
 
 
-def decode_by_batch(timeline: list[tuple], step_reads: list[tuple[int, int]], bandwidth: float) -> list[dict]:
-    """The run's decode steps against their floors, in batch ranges that halve from the largest
-    (256: 129-256, 65-128, ..., 1-8): where the time above the floor goes as the batch shrinks. Empty
-    when the run did not decode as the floor assumes (a preemption, a pool too small), since its
-    steps then do not pair with the floor's."""
+def _decode_pairs(timeline: list[tuple], step_reads: list[tuple[int, int]],
+                  bandwidth: float) -> list[tuple[int, float, float]]:
+    """``(batch, seconds, floor seconds)`` of each decode step; empty when the run did not decode as
+    the floor assumes (a preemption, a pool too small), since its steps then do not pair with the
+    floor's."""
     decode = [step for step in timeline if step[0] == "decode"]
     if not step_reads or [step[1] for step in decode] != [batch for batch, _ in step_reads]:
         return []
-    rows, hi = [], max(batch for batch, _ in step_reads)
+    return [(batch, step[-1] / 1e3, nbytes / bandwidth) for step, (batch, nbytes) in zip(decode, step_reads)]
+
+
+def _against_floor(pairs: list[tuple[int, float, float]], lo: int, hi: int) -> dict | None:
+    steps = [(seconds, floor) for batch, seconds, floor in pairs if lo <= batch <= hi]
+    if not steps:
+        return None
+    seconds, floor = sum(s for s, _ in steps), sum(f for _, f in steps)
+    return {"batch": (lo, hi), "steps": len(steps), "seconds": seconds, "floor_seconds": floor,
+            "share_of_floor": floor / seconds, "excess_ms_per_step": 1e3 * (seconds - floor) / len(steps)}
+
+
+def decode_by_batch(timeline: list[tuple], step_reads: list[tuple[int, int]], bandwidth: float) -> list[dict]:
+    """The run's decode steps against their floors, in batch ranges that halve from the largest
+    (256: 129-256, 65-128, ..., 1-8): where the time above the floor goes as the batch shrinks.
+    Empty when the steps do not pair with the floor's (``_decode_pairs``)."""
+    pairs = _decode_pairs(timeline, step_reads, bandwidth)
+    rows, hi = [], max((batch for batch, _, _ in pairs), default=0)
     while hi >= 1:
         lo = hi // 2 + 1 if hi > 8 else 1
-        pairs = [(step[-1] / 1e3, nbytes / bandwidth) for step, (batch, nbytes) in zip(decode, step_reads)
-                 if lo <= batch <= hi]
-        if pairs:
-            seconds, floor = sum(s for s, _ in pairs), sum(f for _, f in pairs)
-            rows.append({"batch": (lo, hi), "steps": len(pairs), "seconds": seconds, "floor_seconds": floor,
-                         "share_of_floor": floor / seconds, "excess_ms_per_step": 1e3 * (seconds - floor) / len(pairs)})
+        row = _against_floor(pairs, lo, hi)
+        if row:
+            rows.append(row)
         hi = lo - 1
+    return rows
+
+
+def decode_by_graph(timeline: list[tuple], step_reads: list[tuple[int, int]], bandwidth: float,
+                    graph_sizes: list[int]) -> list[dict]:
+    """The same by the CUDA graph each step replayed (the batches above the next smaller graph, up to
+    this one's size; ``graph`` in each row): the time over the floor changes in a step where a kernel's
+    choice changes with the rows, which the halving ranges average away."""
+    pairs = _decode_pairs(timeline, step_reads, bandwidth)
+    rows = []
+    for lo, size in zip([1] + [s + 1 for s in graph_sizes], graph_sizes):
+        row = _against_floor(pairs, lo, size)
+        if row:
+            rows.append({"graph": size, **row})
     return rows
 
 
@@ -345,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
     idle_copy = device_copy_bandwidth(torch.device("cuda")) if torch.cuda.is_available() else 0.0
     ours, llm = run_glassbox(args, [r.prompt_token_ids for r in requests], [r.sampling_params for r in requests])
     mc, runner = llm.model_config, llm.model_runner
+    graph_sizes = runner.graph_bs  # empty when decode ran eagerly
     prompts = [r.prompt_token_ids for r in requests]
     params = [r.sampling_params for r in requests]
     if runner.device.type != "cuda":
@@ -363,10 +393,11 @@ def run(args: argparse.Namespace) -> int:
     # With tensor parallelism each GPU reads its shard of the weights and K/V at the same time.
     floor = decode_floor(step_reads, ours["output_tokens"], tp * max(idle_copy, engine_copy))
     by_batch = decode_by_batch(ours["timeline"], step_reads, floor.copy_bandwidth)
+    by_graph = decode_by_graph(ours["timeline"], step_reads, floor.copy_bandwidth, graph_sizes)
     results = {"device": f"{tp} x {torch.cuda.get_device_name()}", "tensor_parallel_size": tp, "glassbox": ours,
                "copy_bandwidth_idle": idle_copy, "copy_bandwidth_beside_engine": engine_copy,
                "floor": asdict(floor), "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s,
-               "decode_by_batch": by_batch}
+               "decode_by_batch": by_batch, "decode_by_graph": by_graph}
     print(f"device            {results['device']}")
     print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write, all {tp} GPUs; one GPU before the "
           f"engine {idle_copy / 1e12:.2f}, beside it {engine_copy / 1e12:.2f})")
@@ -382,6 +413,10 @@ def run(args: argparse.Namespace) -> int:
             lo, hi = row["batch"]
             print(f"                  {f'{lo}-{hi}':<9} {row['steps']:5d} {1e3 * row['seconds']:9.1f} "
                   f"{1e3 * row['floor_seconds']:9.1f} {row['share_of_floor']:6.1%}  {row['excess_ms_per_step']:.2f} ms")
+    for i in range(0, len(by_graph), 10):
+        print(("by CUDA graph     " if i == 0 else " " * 18) + "  ".join(
+            f"{row['graph']}: {row['excess_ms_per_step']:.2f}" for row in by_graph[i:i + 10])
+            + ("  ms over the floor per step" if i + 10 >= len(by_graph) else ""))
     if ours["slowest_steps"]:
         print("slowest steps     " + ", ".join(f"{phase} {n} seqs {tok} tok {ms} ms" for phase, n, tok, ms in ours["slowest_steps"]))
     if "ab" in ours:

@@ -41,12 +41,12 @@ from kernels import pdl
 # stays below this up to 341 rows, Qwen3-4B up to 43).
 MAX_MACS = 2**31
 # o_proj/down_proj split K up to SPLIT_K_MAX_ROWS rows. Above NARROW_SPLIT_K_ROWS rows only products
-# of at most WIDE_SPLIT_K_MAX_MACS multiply-adds do (Qwen3-0.6B's, at up to 256 rows): those were timed
-# against cuBLAS there; larger models' products were not, and keep cuBLAS's tiles, which fill more of
-# the GPU the wider the weight.
+# no larger than the largest timed against cuBLAS there do: Qwen3-0.6B's down_proj at 256 rows. That
+# takes in all of the 0.6B's and, untimed, Qwen3-1.7B's o_proj up to 192 rows; the 4B's keep cuBLAS,
+# whose tiles fill more of the GPU the wider the weight.
 SPLIT_K_MAX_ROWS = 256
 NARROW_SPLIT_K_ROWS = 128
-WIDE_SPLIT_K_MAX_MACS = 2**30
+WIDE_SPLIT_K_MAX_MACS = 256 * 3072 * 1024
 
 
 @dataclass(frozen=True, slots=True)

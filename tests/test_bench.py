@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from experiments import bench, floor_bench, kv_offload_bench, sync_bench
-from experiments.bench import decode_by_batch, decode_floor, decode_step_reads, weight_bytes_per_step
+from experiments.bench import decode_by_batch, decode_by_graph, decode_floor, decode_step_reads, weight_bytes_per_step
 from models.checkpoint import PRESETS
 from tests.hopper import run_compiled
 
@@ -51,6 +51,20 @@ def test_decode_time_against_the_floor_by_halving_batch_ranges() -> None:
         assert row["excess_ms_per_step"] == pytest.approx(2.0)
 
 
+def test_decode_time_against_the_floor_by_the_cuda_graph_each_step_replayed() -> None:
+    batches = [40, 33, 32, 20, 17, 16, 9, 8, 3, 1]
+    step_reads = [(b, b * 1_000_000) for b in batches]  # 1 ms per sequence at 1e9 B/s
+    # 2 ms above the floor up to 32 rows, 5 above: a kernel that changes past 32 rows shows as a step.
+    timeline = [_decode_step(b, b + (5.0 if b > 32 else 2.0)) for b in batches]
+    rows = decode_by_graph(timeline, step_reads, bandwidth=1e9, graph_sizes=[1, 2, 4, 8, 16, 32, 48, 64])
+    # Graphs no step replayed (2 and 64 rows) have no row.
+    assert [(row["graph"], row["batch"], row["steps"]) for row in rows] == [
+        (1, (1, 1), 1), (4, (3, 4), 1), (8, (5, 8), 1), (16, (9, 16), 2), (32, (17, 32), 3), (48, (33, 48), 2)]
+    assert [row["excess_ms_per_step"] for row in rows] == pytest.approx([2.0] * 5 + [5.0])
+    assert rows[-1]["floor_seconds"] == pytest.approx((40 + 33) / 1e3)
+    assert decode_by_graph(timeline, step_reads, 1e9, graph_sizes=[]) == []  # eager: no graphs
+
+
 def test_no_breakdown_when_the_run_did_not_decode_as_the_floor_assumes() -> None:
     step_reads = [(2, 100), (1, 50)]
     # A preemption re-ran a prompt mid-decode: the batches no longer pair with the floor's steps.
@@ -59,6 +73,7 @@ def test_no_breakdown_when_the_run_did_not_decode_as_the_floor_assumes() -> None
     assert decode_by_batch(preempted, step_reads, 1e9) == []
     assert decode_by_batch([], step_reads, 1e9) == []  # telemetry off: no timeline at all
     assert decode_by_batch([], [], 1e9) == []  # every request done at prefill: no decode step
+    assert decode_by_graph(preempted, step_reads, 1e9, [1, 2]) == []
 
 
 def test_without_cuda_it_asks_for_device_cpu_and_says_what_that_costs(monkeypatch, capsys):

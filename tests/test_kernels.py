@@ -800,9 +800,12 @@ def test_skinny_gemm_partials_gpu(m: int) -> None:
     _check_rms_norm_of_partials(4 if m <= 64 else 2, m, 1024, torch.bfloat16, "cuda", m)
     x = torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda")
     assert split_k_fits(x, torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda"))
-    # From 129 rows on the 4B's o_proj (2,560 x 4,096) stays on cuBLAS.
-    four_b_o_proj = torch.empty(2560, 4096, dtype=torch.bfloat16, device="cuda")
-    assert split_k_fits(torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda"), four_b_o_proj) == (m <= 128)
+    # Above 128 rows only products up to the 0.6B's down_proj at 256 rows split: the 1.7B's o_proj
+    # (2,048 x 2,048) up to 192 rows, the 4B's o_proj (2,560 x 4,096) not at all.
+    o_proj_1_7b = torch.empty(2048, 2048, dtype=torch.bfloat16, device="cuda")
+    assert split_k_fits(torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda"), o_proj_1_7b) == (m <= 192)
+    o_proj_4b = torch.empty(2560, 4096, dtype=torch.bfloat16, device="cuda")
+    assert split_k_fits(torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda"), o_proj_4b) == (m <= 128)
     assert not split_k_fits(torch.empty(257, 2048, dtype=torch.bfloat16, device="cuda"), x[:1])
     # float32 (the labs' --dtype float32): the tiles would not fit in shared memory, cuBLAS takes it.
     x32, w32 = x.float(), torch.empty(1024, 2048, device="cuda")
