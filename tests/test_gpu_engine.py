@@ -148,7 +148,7 @@ def test_single_stream_decode_matches_transformers(preset, gemv_rows, monkeypatc
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 
 
-def test_greedy_tokens_match_transformers_at_every_batch_size(monkeypatch):
+def test_greedy_tokens_match_transformers_as_the_batch_shrinks_from_200_rows(monkeypatch):
     """200 requests decode together and finish four a step (4 to 53 tokens each, one 64), so decode
     steps run at 200, 196, ..., 4 rows and then 1: through every CUDA graph but two rows', each
     product's path (split-K o_proj and down_proj included, up to 256 rows since #29) and every split
