@@ -17,6 +17,8 @@ With telemetry on, every decode step is also set against its own floor, in batch
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
 with the batch. The same by CUDA graph follows (each graph's batches: one past the next smaller
 graph up to its size), where a kernel choice that changes at some row count shows as a step.
+Before those, the prefill steps: the host's time to launch each, and how many the device finished
+before the host came to collect them (there the host's launches, not the GPU, set the pace).
 """
 
 from __future__ import annotations
@@ -155,6 +157,25 @@ def decode_by_graph(timeline: list[tuple], step_reads: list[tuple[int, int]], ba
 
 
 _STEP_PARTS = ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")
+# A wait this short found the step's tokens already there: the device had finished before the host,
+# still launching the next step, came to collect them (in a timeline a wait is either ~0.01 ms or
+# whole milliseconds).
+_READY_WAIT_MS = 0.1
+
+
+def prefill_steps(timeline: list[tuple]) -> dict | None:
+    """The run's prefill (and mixed) steps: their time, the host's time to launch each (the forward,
+    sampler and copies, issued without waiting), and how many the device finished before the host
+    came to collect them. Those the host's launches paced, not the GPU: a 16k-token prefill step
+    issues a few hundred kernels at tens of microseconds of host time each (docs/performance.md).
+    None when the run had no such step or no timeline (telemetry off)."""
+    steps = [step for step in timeline if step[0] != "decode"]
+    if not steps:
+        return None
+    launch = [step[3 + _STEP_PARTS.index("launch_s")] for step in steps]
+    ready = sum(step[3 + _STEP_PARTS.index("wait_s")] < _READY_WAIT_MS for step in steps)
+    return {"steps": len(steps), "time_ms": sum(step[-1] for step in steps), "launch_ms_median": statistics.median(launch),
+            "launch_ms_range": (min(launch), max(launch)), "ready_before_collected": ready}
 
 
 def progress(message: str) -> None:
@@ -397,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"device": f"{tp} x {torch.cuda.get_device_name()}", "tensor_parallel_size": tp, "glassbox": ours,
                "copy_bandwidth_idle": idle_copy, "copy_bandwidth_beside_engine": engine_copy,
                "floor": asdict(floor), "share_of_floor": ours["tokens_per_s"] / floor.tokens_per_s,
-               "decode_by_batch": by_batch, "decode_by_graph": by_graph}
+               "decode_by_batch": by_batch, "decode_by_graph": by_graph, "prefill_steps": prefill_steps(ours["timeline"])}
     print(f"device            {results['device']}")
     print(f"copy bandwidth    {floor.copy_bandwidth / 1e12:.2f} TB/s (read + write, all {tp} GPUs; one GPU before the "
           f"engine {idle_copy / 1e12:.2f}, beside it {engine_copy / 1e12:.2f})")
@@ -407,6 +428,12 @@ def run(args: argparse.Namespace) -> int:
           f"telemetry={ours['telemetry']}, {ours['num_blocks']} blocks]")
     if ours["decode_host_ms"]:
         print("decode step host ms " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in ours["decode_host_ms"].items()))
+    prefill = results["prefill_steps"]
+    if prefill:
+        lo, hi = prefill["launch_ms_range"]
+        print(f"prefill steps     {prefill['steps']} in {prefill['time_ms']:.1f} ms; host launch {prefill['launch_ms_median']:.1f} ms"
+              f" median ({lo:.1f}-{hi:.1f}); done before the host collected them: {prefill['ready_before_collected']}"
+              f" of {prefill['steps']} (the host set the pace)")
     if by_batch:
         print("decode vs floor   batch     steps   time ms  floor ms  share  over the floor per step")
         for row in by_batch:

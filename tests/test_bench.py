@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from experiments import bench, floor_bench, kv_offload_bench, sync_bench
-from experiments.bench import decode_by_batch, decode_by_graph, decode_floor, decode_step_reads, weight_bytes_per_step
+from experiments.bench import (
+    decode_by_batch,
+    decode_by_graph,
+    decode_floor,
+    decode_step_reads,
+    prefill_steps,
+    weight_bytes_per_step,
+)
 from models.checkpoint import PRESETS
 from tests.hopper import run_compiled
 
@@ -63,6 +70,21 @@ def test_decode_time_against_the_floor_by_the_cuda_graph_each_step_replayed() ->
     assert [row["excess_ms_per_step"] for row in rows] == pytest.approx([2.0] * 5 + [5.0])
     assert rows[-1]["floor_seconds"] == pytest.approx((40 + 33) / 1e3)
     assert decode_by_graph(timeline, step_reads, 1e9, graph_sizes=[]) == []  # eager: no graphs
+
+
+def test_prefill_steps_count_those_the_hosts_launches_paced() -> None:
+    # phase, sequences, prefill tokens; schedule, prepare, launch, wait, postprocess, duration (ms)
+    timeline = [("prefill", 31, 15705, 1.0, 1.7, 13.7, 0.011, 0.1, 47.5),  # done before the host asked
+                ("prefill", 26, 16130, 1.0, 3.1, 14.3, 12.8, 0.1, 31.6),  # the host waited 12.8 ms: GPU-paced
+                ("mixed", 30, 900, 1.0, 1.8, 42.7, 0.02, 0.1, 18.6),
+                _decode_step(57, 3.0)]
+    summary = prefill_steps(timeline)
+    assert summary["steps"] == 3 and summary["time_ms"] == pytest.approx(47.5 + 31.6 + 18.6)
+    assert summary["launch_ms_median"] == pytest.approx(14.3)
+    assert summary["launch_ms_range"] == (13.7, 42.7)
+    assert summary["ready_before_collected"] == 2
+    assert prefill_steps([_decode_step(4, 1.0)]) is None
+    assert prefill_steps([]) is None  # telemetry off: no timeline
 
 
 def test_no_breakdown_when_the_run_did_not_decode_as_the_floor_assumes() -> None:
