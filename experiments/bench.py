@@ -17,8 +17,8 @@ With telemetry on, every decode step is also set against its own floor, in batch
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
 with the batch. The same by CUDA graph follows (each graph's batches: one past the next smaller
 graph up to its size), where a kernel choice that changes at some row count shows as a step.
-Before those, the prefill steps: the host's time to launch each, and how many the device finished
-before the host came to collect them (there the host's launches, not the GPU, set the pace).
+Before those, the prefill steps: the host's time to launch each, and how many were done before
+the host came to collect them (there the host's launches, not the GPU, may have set the pace).
 """
 
 from __future__ import annotations
@@ -157,25 +157,27 @@ def decode_by_graph(timeline: list[tuple], step_reads: list[tuple[int, int]], ba
 
 
 _STEP_PARTS = ("schedule_s", "prepare_s", "launch_s", "wait_s", "postprocess_s", "duration_s")
-# A wait this short found the step's tokens already there: the device had finished before the host,
-# still launching the next step, came to collect them (in a timeline a wait is either ~0.01 ms or
-# whole milliseconds).
+# A wait this short found the step's tokens already there: the host did not wait on the device for
+# them (in a timeline a wait is either ~0.01 ms or whole milliseconds).
 _READY_WAIT_MS = 0.1
 
 
 def prefill_steps(timeline: list[tuple]) -> dict | None:
     """The run's prefill (and mixed) steps: their time, the host's time to launch each (the forward,
-    sampler and copies, issued without waiting), and how many the device finished before the host
-    came to collect them. Those the host's launches paced, not the GPU: a 16k-token prefill step
-    issues a few hundred kernels at tens of microseconds of host time each (docs/performance.md).
-    None when the run had no such step or no timeline (telemetry off)."""
+    sampler and copies, issued without waiting), and how many were done before the host came to
+    collect them. With asynchronous scheduling the host collects a step after launching the next, so
+    a step found done is one whose pace the host's launches, not the GPU, may have set: a 16k-token
+    prefill step issues a few hundred kernels at tens of microseconds of host time each, and the
+    prefill phase takes longer as that time grows (docs/performance.md). None when the run had no
+    such step or no timeline (telemetry off)."""
     steps = [step for step in timeline if step[0] != "decode"]
     if not steps:
         return None
     launch = [step[3 + _STEP_PARTS.index("launch_s")] for step in steps]
     ready = sum(step[3 + _STEP_PARTS.index("wait_s")] < _READY_WAIT_MS for step in steps)
-    return {"steps": len(steps), "time_ms": sum(step[-1] for step in steps), "launch_ms_median": statistics.median(launch),
-            "launch_ms_range": (min(launch), max(launch)), "ready_before_collected": ready}
+    return {"steps": len(steps), "time_ms": sum(step[-1] for step in steps),
+            "launch_ms_median": statistics.median(launch), "launch_ms_range": (min(launch), max(launch)),
+            "ready_before_collected": ready}
 
 
 def progress(message: str) -> None:
@@ -431,9 +433,9 @@ def run(args: argparse.Namespace) -> int:
     prefill = results["prefill_steps"]
     if prefill:
         lo, hi = prefill["launch_ms_range"]
-        print(f"prefill steps     {prefill['steps']} in {prefill['time_ms']:.1f} ms; host launch {prefill['launch_ms_median']:.1f} ms"
-              f" median ({lo:.1f}-{hi:.1f}); done before the host collected them: {prefill['ready_before_collected']}"
-              f" of {prefill['steps']} (the host set the pace)")
+        print(f"prefill steps     {prefill['steps']} in {prefill['time_ms']:.1f} ms; host launch "
+              f"{prefill['launch_ms_median']:.1f} ms median ({lo:.1f}-{hi:.1f}); {prefill['ready_before_collected']} "
+              f"of {prefill['steps']} done before the host came to collect them")
     if by_batch:
         print("decode vs floor   batch     steps   time ms  floor ms  share  over the floor per step")
         for row in by_batch:

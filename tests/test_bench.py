@@ -77,12 +77,14 @@ def test_prefill_steps_count_those_the_hosts_launches_paced() -> None:
     timeline = [("prefill", 31, 15705, 1.0, 1.7, 13.7, 0.011, 0.1, 47.5),  # done before the host asked
                 ("prefill", 26, 16130, 1.0, 3.1, 14.3, 12.8, 0.1, 31.6),  # the host waited 12.8 ms: GPU-paced
                 ("mixed", 30, 900, 1.0, 1.8, 42.7, 0.02, 0.1, 18.6),
+                ("prefill", 12, 4000, 1.0, 1.0, 15.0, 0.099, 0.1, 16.0),  # just under the cut-off
+                ("prefill", 12, 4000, 1.0, 1.0, 16.0, 0.5, 0.1, 17.0),  # half a millisecond's wait
                 _decode_step(57, 3.0)]
     summary = prefill_steps(timeline)
-    assert summary["steps"] == 3 and summary["time_ms"] == pytest.approx(47.5 + 31.6 + 18.6)
-    assert summary["launch_ms_median"] == pytest.approx(14.3)
+    assert summary["steps"] == 5 and summary["time_ms"] == pytest.approx(47.5 + 31.6 + 18.6 + 16.0 + 17.0)
+    assert summary["launch_ms_median"] == pytest.approx(15.0)
     assert summary["launch_ms_range"] == (13.7, 42.7)
-    assert summary["ready_before_collected"] == 2
+    assert summary["ready_before_collected"] == 3
     assert prefill_steps([_decode_step(4, 1.0)]) is None
     assert prefill_steps([]) is None  # telemetry off: no timeline
 
