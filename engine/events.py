@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 # Version 6, CPU-offload mode: ``engine_started`` has ``enable_cpu_offload``; ``ring_transfer`` and
 # ``ring_step`` are new.
 # Version 7: ``engine_started`` has ``all_reduce``, how tensor-parallel ranks sum their products.
-SCHEMA_VERSION = 7
+# Version 8, prefill graphs: ``cudagraph_capture`` has ``prefill_token_counts``; ``prefill_graph_replay`` is new.
+SCHEMA_VERSION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,15 +360,22 @@ class Tokens(Event):
 
 @_event("cudagraph_capture")
 class CudaGraphCapture(Event):
-    batch_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]  # the decode graphs'
     seconds: float
     pool_bytes: int
+    prefill_token_counts: tuple[int, ...] = ()  # the prefill graphs' (each in pieces around attention)
 
 
 @_event("cudagraph_replay")
 class CudaGraphReplay(Event):
     batch_size: int
     padded_batch_size: int
+
+
+@_event("prefill_graph_replay")
+class PrefillGraphReplay(Event):
+    num_tokens: int
+    padded_tokens: int
 
 
 @_event("first_token")

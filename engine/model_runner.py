@@ -27,9 +27,10 @@ from tqdm.auto import tqdm
 
 from engine.config import Config, ConfigError
 from engine.decode_inputs import DecodeInputs
-from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus
+from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus, PrefillGraphReplay
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
 from engine.offload_engine import OffloadEngine, chunk_limit
+from engine.prefill_graphs import PrefillGraphs, prefill_token_counts
 from engine.sequence import PLACEHOLDER, Sequence
 from kernels.paged_attention import decode_batches
 from kernels.skinny_gemm import tile_rows
@@ -145,6 +146,14 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.offload: OffloadingHandler | None = None
         self.ring: OffloadEngine | None = None
+        # Its buffers before the KV pool is sized, which leaves room for them. Not under tensor
+        # parallelism: there the GPU test of two ranks hung with them (docs/performance.md).
+        self.prefill_graphs: PrefillGraphs | None = None
+        if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_cpu_offload
+                and config.tensor_parallel_size == 1):
+            with torch.inference_mode():
+                self.prefill_graphs = PrefillGraphs(self.model, self.max_step_rows, model_config.hidden_size,
+                                                    self.dtype, self.device)
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # Inference tensors, like every tensor a step makes (steps run in inference mode).
@@ -190,6 +199,7 @@ class ModelRunner:
         stats = torch.cuda.memory_stats(self.device)
         used = total - free
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        # With prefill graphs, their pool holds these activations instead (every prefill step replays).
         available = int(total * self.config.gpu_memory_utilization) - used - peak + current
         return (available - self._staging_bytes()) // self.block_bytes
 
@@ -250,11 +260,12 @@ class ModelRunner:
     @torch.inference_mode()
     def compile_step_kernels(self) -> None:
         """Compile now every kernel variant a request's step can run (a compile stalls every request
-        in its step, up to a second), beyond the decode graphs: prefills at the fewest rows of each
-        small-product tile (small prefill and mixed steps have row counts no graph has) and at the
-        most rows a step takes (large prefills take kernels of their own: on Hopper the TMA attention
-        and gate/up product from 4,096 rows), mixed steps at the fewest decode rows of each
-        decode-kernel variant, and without graphs, decode steps at the same. The K/V all go to block
+        in its step, up to a second), beyond the graphs: prefills at the fewest rows of each
+        small-product tile (without prefill graphs, small prefill and mixed steps have row counts no
+        graph has) and at the most rows a step takes (large prefills take kernels of their own: on
+        Hopper the TMA attention and gate/up product from 4,096 rows), mixed steps at the fewest
+        decode rows of each decode-kernel variant (their attention runs eagerly, between prefill
+        graphs too), and without graphs, decode steps at the same. The K/V all go to block
         0, which holds nothing yet (decode rows here are padding)."""
         config = self.config
         for rows in sorted({*tile_rows(config.max_num_batched_tokens), self.max_step_rows}):
@@ -268,19 +279,25 @@ class ModelRunner:
                 self.decode_forward(rows)
         torch.cuda.synchronize(self.device)
 
-    def _warm_step(self, decode_rows: int, prompt_rows: int) -> None:
+    def _warm_step(self, decode_rows: int, prompt_rows: int, graphs: PrefillGraphs | None = None) -> None:
+        """A step's forward on made-up sequences, eagerly; through the prefill graphs' buffers when
+        ``graphs`` is given."""
         # The prompt rows in sequences no longer than a request can be, so that block tables hold them.
         q_lens = [1] * decode_rows + self._prompt_lengths(prompt_rows)
         cu, positions = self._packed(q_lens)
+        ids, slots = torch.zeros_like(positions), positions % self.block_size
+        if graphs is not None:
+            ids, positions, slots = graphs.stage(ids, positions, slots, positions.numel())
         set_context(Context(
             is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens),
-            slot_mapping=positions % self.block_size,
+            slot_mapping=slots,
             block_tables=torch.zeros(len(q_lens), self.decode_inputs.max_blocks_per_seq, dtype=torch.int32,
                                      device=self.device),
             context_lens=torch.ones(decode_rows, dtype=torch.int32, device=self.device) if decode_rows else None,
-            decode_seqs=decode_rows))
+            decode_seqs=decode_rows, split=graphs))
         try:
-            self.model.compute_logits(self.model(torch.zeros_like(positions), positions))
+            hidden = self.model(ids, positions) if graphs is None else graphs.forward(positions.numel())
+            self.model.compute_logits(hidden)
         finally:
             reset_context()
 
@@ -392,21 +409,23 @@ class ModelRunner:
 
     # --- inputs -------------------------------------------------------------------------------
 
-    def _tensor(self, values: npt.ArrayLike, dtype: npt.DTypeLike) -> torch.Tensor:
+    def _host(self, values: npt.ArrayLike, dtype: npt.DTypeLike) -> torch.Tensor:
         host = torch.from_numpy(np.asarray(values, dtype=dtype))
-        if self.device.type != "cuda":
-            return host
         # Pinned host memory lets the copy to the GPU overlap with host work.
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensor(self, values: npt.ArrayLike, dtype: npt.DTypeLike) -> torch.Tensor:
+        return self._host(values, dtype).to(self.device, non_blocking=True)
+
+    def prepare_prefill(self, seqs: list[Sequence], padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each prefilling sequence computes tokens ``[num_cached_tokens, num_cached_tokens +
         num_scheduled_tokens)``, each decoding one (a mixed step) its last token, and attends to
         everything before them through its block table. A decode token still being sampled by the
         step in flight is read on the device, from that step's samples.
 
         Per-token inputs are built with numpy, not per-token Python loops: a step has ~16k tokens, and
-        prefill is bound by the host that prepares and launches it."""
+        prefill is bound by the host that prepares and launches it. ``padded``: the step replays the
+        prefill graphs of that many rows, and its inputs go to their buffers (returned padded)."""
         # A mixed step's leading decode rows attend through the decode kernel (``Context.decode_seqs``).
         decode_seqs = next((i for i, seq in enumerate(seqs) if seq.is_prefill), len(seqs)) \
             if self.backend.mixed_decode else 0
@@ -432,22 +451,27 @@ class ModelRunner:
         positions = np.arange(cu_seqlens_q[-1]) + np.repeat(starts - cu_seqlens_q[:-1], q_lens)
         slot_mapping = block_tables[token_seq, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
+        if padded is None:
+            ids, positions, slots = (self._tensor(values, np.int64) for values in (input_ids, positions, slot_mapping))
+        else:
+            assert self.prefill_graphs is not None
+            ids, positions, slots = self.prefill_graphs.stage(
+                *(self._host(values, np.int64) for values in (input_ids, positions, slot_mapping)), padded)
         set_context(Context(
             is_prefill=True,
             cu_seqlens_q=self._tensor(cu_seqlens_q, np.int32),
             cu_seqlens_k=self._tensor(np.concatenate(([0], np.cumsum(ends))), np.int32),
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(ends.max()),
-            slot_mapping=self._tensor(slot_mapping, np.int64),
+            slot_mapping=slots,
             block_tables=self._tensor(block_tables, np.int32),
             context_lens=self._tensor(ends[:decode_seqs], np.int32) if decode_seqs else None,
             decode_seqs=decode_seqs,
         ))
-        ids = self._tensor(input_ids, np.int64)
         if in_flight:
             index, rows = zip(*in_flight)
             ids[self._tensor(index, np.int64)] = self.sampled[self._tensor(rows, np.int64)].long()
-        return ids, self._tensor(positions, np.int64)
+        return ids, positions
 
     def prepare_decode(self, seqs: list[Sequence]) -> int:
         """Stage the decode inputs (padded to the CUDA graph that will run them); returns the rows."""
@@ -477,19 +501,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        """Capture ``decode_forward`` for each size of ``graph_batch_sizes``, largest first, all in one
-        memory pool. Replays read the staged inputs in place and write ``graph_logits``."""
+        """Capture the prefill forward in pieces for each of ``prefill_token_counts``, then
+        ``decode_forward`` for each size of ``graph_batch_sizes``, each largest first, all in one memory
+        pool. Replays read the staged inputs in place and write ``graph_logits`` (decode) or the
+        prefill graphs' buffers."""
         device = self.device
         self.graph_bs = graph_batch_sizes(self.config.max_num_seqs)
         start = time.perf_counter()
         torch.cuda.synchronize(device)
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        prefill_counts = [] if self.prefill_graphs is None else prefill_token_counts(self.max_step_rows)
+        # Each count once eagerly through the same buffers first (kernels compile, cuBLAS meets the
+        # row count), all before the first capture: the eager allocator's cache is then given back,
+        # and the graphs' pool takes the activations' place in the memory the KV pool left.
+        for n in reversed(prefill_counts):
+            self._warm_step(0, n, self.prefill_graphs)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
+        counts = reversed(prefill_counts)
+        if self.rank == 0 and prefill_counts:
+            counts = tqdm(counts, total=len(prefill_counts), desc="Capturing prefill graphs", leave=False)
+        for n in counts:
+            set_context(Context(is_prefill=True, slot_mapping=self.prefill_graphs.slot_mapping[:n],
+                                split=self.prefill_graphs))
+            try:
+                self.prefill_graphs.capture(n, pool, stream)
+            finally:
+                reset_context()
         if self.rank == 0:
             self.graph_logits = torch.zeros(self.graph_bs[-1], self.model_config.vocab_size, dtype=self.dtype,
                                             device=device)
         # Captured with every row as padding (slot -1, length 0): no cache entry is touched.
         self.decode_inputs.stage([], self.graph_bs[-1], {}, self.block_size)
-        pool = None
         sizes = reversed(self.graph_bs)
         if self.rank == 0:
             # Workers make no bar, not even a disabled one: tqdm's lock is a named semaphore, which a
@@ -500,15 +544,15 @@ class ModelRunner:
             out = None if self.graph_logits is None else self.graph_logits[:bs]
             self.decode_forward(bs, out)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, pool, stream=stream):
                 self.decode_forward(bs, out)
-            pool = graph.pool() if pool is None else pool
             graph.replay()  # the first replay uploads the graph: not in a request's step
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.events.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_bs),
-                             seconds=time.perf_counter() - start, pool_bytes=pool_bytes)
+                             prefill_token_counts=tuple(prefill_counts), seconds=time.perf_counter() - start,
+                             pool_bytes=pool_bytes)
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -541,12 +585,20 @@ class ModelRunner:
                 seqs = [seqs[i] for i in launch_order]
             # Taken first: whatever happens below, the streamed loads' events are this step's.
             kv_ready = None if self.offload is None else self.offload.take_layer_waits()
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+            padded = None if self.prefill_graphs is None else self.prefill_graphs.padded(num_tokens)
             try:
-                input_ids, positions = self.prepare_prefill(seqs)
-                get_context().kv_ready = kv_ready
+                input_ids, positions = self.prepare_prefill(seqs, padded)
                 temperatures = self._tensor([seq.temperature for seq in seqs], np.float32)
                 t1 = time.perf_counter()
-                logits = self.model.compute_logits(self.model(input_ids, positions))
+                if padded is None:
+                    get_context().kv_ready = kv_ready
+                    hidden = self.model(input_ids, positions)
+                else:
+                    hidden = self.prefill_graphs.replay(num_tokens, padded, kv_ready)
+                    if self.events.active:
+                        self.events.emit(PrefillGraphReplay, num_tokens=num_tokens, padded_tokens=padded)
+                logits = self.model.compute_logits(hidden)
             finally:
                 reset_context()
                 if kv_ready is not None:

@@ -1,7 +1,7 @@
 """The yardstick: nano-vllm's bench.py workload, with the memory-bandwidth floor measured in the same run.
 
     python experiments/bench.py --preset qwen3-0.6b [--peer hf] [--no-telemetry] [--enforce-eager]
-        [--ab telemetry|async-scheduling|host-tier|batching --ab-runs 5] [--profile]
+        [--ab telemetry|async-scheduling|host-tier|batching|prefill-graphs --ab-runs 5] [--profile]
 
 256 requests (prompts U[100,1024] of ids U[0,10000], outputs U[100,1024], temperature 0.6,
 ignore_eos), one warm-up call, throughput = output tokens / wall time of the timed ``generate``. The
@@ -11,8 +11,10 @@ workload on transformers' continuous batching, same weights, same process, and p
 ``--ab`` then alternates runs with a feature on and off on the same engine (this machine's drift
 hits both arms alike; ``host-tier`` needs a tier, ``--kv-offloading-size``, and takes it away for
 the off arm, staging and pool sizes unchanged; ``batching`` is vLLM V1's ``mixed`` batching on and
-nano-vllm's ``prefill-first`` off); ``--profile`` lists where the GPU time of
-full-batch decode steps goes.
+nano-vllm's ``prefill-first`` off; ``prefill-graphs`` takes the prefill graphs away for the off arm,
+whose prefill steps then launch eagerly, their activations beside the graphs' pool, beyond the
+share ``--gpu-memory-utilization`` gives; each run's prefill time is printed too); ``--profile`` lists
+where the GPU time of full-batch decode steps goes.
 With telemetry on, every decode step is also set against its own floor, in batch ranges that
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
 with the batch. The same by CUDA graph follows (each graph's batches: one past the next smaller
@@ -233,7 +235,7 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
     result.update(num_blocks=llm.config.num_kvcache_blocks, backend=llm.model_runner.backend.name,
                   cuda_graphs=bool(llm.model_runner.graphs))
     if args.ab:
-        runs = {True: [], False: []}
+        runs, prefill = {True: [], False: []}, {True: [], False: []}
         for i in range(args.ab_runs):
             progress(f"--ab {args.ab}: runs {i + 1} of {args.ab_runs}, on and off")
             for on in (True, False):
@@ -242,13 +244,19 @@ def run_glassbox(args: argparse.Namespace, prompts: list[list[int]], params: lis
                 telemetry = on if args.ab == "telemetry" else not args.no_telemetry
                 if args.ab == "batching":
                     llm.scheduler.mixed = on  # between runs the scheduler is idle: the rule may change
-                with host_tier_detached(llm, args.ab == "host-tier" and not on):
-                    runs[on].append(timed_run(llm, prompts, params, telemetry)["tokens_per_s"])
+                with host_tier_detached(llm, args.ab == "host-tier" and not on), \
+                        prefill_graphs_detached(llm, args.ab == "prefill-graphs" and not on):
+                    run = timed_run(llm, prompts, params, telemetry)
+                runs[on].append(run["tokens_per_s"])
+                if (steps := prefill_steps(run["timeline"])) is not None:
+                    prefill[on].append(round(steps["time_ms"], 1))
         llm.scheduler.mixed = llm.config.batching == "mixed"
         llm.config.async_scheduling = not args.no_async_scheduling
         on, off = statistics.median(runs[True]), statistics.median(runs[False])
         result["ab"] = {"feature": args.ab, "on_tok_s": runs[True], "off_tok_s": runs[False], "median_on": on,
-                        "median_off": off, "on_vs_off": on / off - 1}
+                        "median_off": off, "on_vs_off": on / off - 1,
+                        # each run's prefill steps, ms (telemetry on)
+                        "on_prefill_ms": prefill[True], "off_prefill_ms": prefill[False]}
     if args.profile:
         progress("profiling")
         result["profile"] = profile_steps(llm, prompts, params)
@@ -270,6 +278,21 @@ def host_tier_detached(llm, detach: bool) -> Iterator[None]:
         yield
     finally:
         runner.offload, scheduler.host_tier, scheduler.block_manager.offload_policy = parts
+
+
+@contextmanager
+def prefill_graphs_detached(llm, detach: bool) -> Iterator[None]:
+    """The engine with its prefill steps launched eagerly, layer by layer (``detach``), as before they
+    had CUDA graphs. Their activations then come on top of the graphs' pool, which took their place
+    in the engine's memory: an engine sized tightly may run out of it."""
+    runner = llm.model_runner
+    graphs = runner.prefill_graphs
+    if detach:
+        runner.prefill_graphs = None
+    try:
+        yield
+    finally:
+        runner.prefill_graphs = graphs
 
 
 def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> list[dict]:
@@ -358,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("hf",), help="also run transformers' continuous batching")
     parser.add_argument("--no-telemetry", action="store_true", help="no Prometheus exporter or recorder attached")
     parser.add_argument("--record", type=Path, help="where the recording goes (default: a temporary file)")
-    parser.add_argument("--ab", choices=("telemetry", "async-scheduling", "host-tier", "batching"),
+    parser.add_argument("--ab", choices=("telemetry", "async-scheduling", "host-tier", "batching", "prefill-graphs"),
                         help="then alternate runs with this feature on and off, on the same engine")
     parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="then profile the GPU time of 20 full-batch decode steps")
@@ -370,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             raise OptionError("--profile measures GPU kernels: it needs CUDA")
         if args.ab == "host-tier" and not (args.kv_offloading_size or args.num_host_kvcache_blocks):
             raise OptionError("--ab host-tier compares a host tier with none: give it one (--kv-offloading-size GIB)")
+        if args.ab == "prefill-graphs" and (not on_gpu or args.enforce_eager or args.tensor_parallel_size > 1
+                                            or args.enable_cpu_offload):
+            raise OptionError("--ab prefill-graphs compares prefill graphs with eager prefill steps: the engine has "
+                              "them on one GPU only, without --enforce-eager, --tensor-parallel-size or "
+                              "--enable-cpu-offload")
         if not torch.cuda.is_available() and args.device != "cpu":
             raise OptionError(cpu_refusal(args))
         return run(args)
@@ -453,6 +481,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{ab['feature']} on/off  median {ab['median_on']:,.0f} vs {ab['median_off']:,.0f} tok/s: "
               f"on is {ab['on_vs_off']:+.2%} (on {min(ab['on_tok_s']):,.0f}-{max(ab['on_tok_s']):,.0f}, "
               f"off {min(ab['off_tok_s']):,.0f}-{max(ab['off_tok_s']):,.0f}; {args.ab_runs} runs each, alternating)")
+        if ab["on_prefill_ms"]:
+            print(f"{' ' * len(ab['feature'])}         prefill steps on {', '.join(map(str, ab['on_prefill_ms']))} ms; "
+                  f"off {', '.join(map(str, ab['off_prefill_ms']))} ms")
     for prof in ours.get("profile", []):
         print(f"profile: {prof['window']} ({prof['steps']} steps from batch {prof['batch_size']}): "
               f"{prof['gpu_ms_per_step']:.2f} ms GPU, {prof['wall_ms_per_step']:.2f} ms wall, "

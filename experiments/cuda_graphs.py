@@ -1,10 +1,11 @@
-"""Lab: CUDA-graph decode. What does replaying a captured graph save over launching every kernel?
+"""Lab: CUDA graphs. What does replaying captured graphs save over launching every kernel?
 
 The same greedy workload runs twice on fresh engines, once eager (``--enforce-eager``) and once
-with decode graphs. Requests finish one after another, so the decode batch walks down through many
-sizes and each replay pads it to the next captured size. From the recordings: the replay events,
-the padding each captured size costs, and identical tokens in both arms; tokens per second and host
-time per decode step go in the tables (timings never decide the verdict).
+with graphs: a decode step replays one graph, a prefill step the prefill graphs, in pieces between
+its attention calls (``engine/prefill_graphs.py``). Requests finish one after another, so the decode
+batch walks down through many sizes and each replay pads it to the next captured size. From the
+recordings: the replay events, the padding each captured size costs, and identical tokens in both
+arms; tokens per second and host time per step go in the tables (timings never decide the verdict).
 
     python experiments/cuda_graphs.py [--preset qwen3-0.6b] [--quick]
 
@@ -25,7 +26,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from engine.events import CudaGraphCapture, CudaGraphReplay, Step, Tokens  # noqa: E402
+from engine.events import CudaGraphCapture, CudaGraphReplay, PrefillGraphReplay, Step, Tokens  # noqa: E402
 from engine.options import positive_int  # noqa: E402
 from experiments.common import (  # noqa: E402
     Check, Recording, build_engine, make_parser, new_figure, parse_args, random_prompt, report, request,
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     capture = next(e for e in arms["graphs"].events if type(e) is CudaGraphCapture)
     sizes = capture.batch_sizes
     replays = [e for e in arms["graphs"].events if type(e) is CudaGraphReplay]
+    prefill_replays = [e for e in arms["graphs"].events if type(e) is PrefillGraphReplay]
     decode = {arm: [e for e in rec.events if type(e) is Step and e.phase == "decode"] for arm, rec in arms.items()}
+    prefill = {arm: [e for e in rec.events if type(e) is Step and e.phase != "decode"] for arm, rec in arms.items()}
     tokens = sum(len(t) for t in token_stream(arms["eager"]).values())
 
     speed = []
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             "host ms/step": 1e3 * sum(s.schedule_s + s.prepare_s + s.launch_s + s.postprocess_s for s in steps) / len(steps),
             "launch ms/step": 1e3 * sum(s.launch_s for s in steps) / len(steps),
             "step ms": 1e3 * sum(s.duration_s for s in steps) / len(steps),
+            "prefill steps": len(prefill[arm]),
+            "prefill launch ms/step": 1e3 * sum(s.launch_s for s in prefill[arm]) / len(prefill[arm]),
         })
     padding = []
     by_size: dict[int, list[CudaGraphReplay]] = defaultdict(list)
@@ -107,14 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     def smallest_fit(bs: int) -> int:
         return next(s for s in sizes if s >= bs)
 
+    def smallest_count(tokens: int) -> int:
+        return next(n for n in capture.prefill_token_counts if n >= tokens)
+
+    eager_replays = sum(type(e) in (CudaGraphReplay, PrefillGraphReplay) for e in arms["eager"].events)
+
     checks = [
         Check("every graph-arm decode step replays a graph", f"{len(replays)} replays for {len(decode['graphs'])} decode steps",
               len(replays) == len(decode["graphs"])),
         Check("each replay pads to the smallest captured size that fits",
               f"{sum(r.padded_batch_size == smallest_fit(r.batch_size) for r in replays)}/{len(replays)}",
               all(r.padded_batch_size == smallest_fit(r.batch_size) for r in replays)),
-        Check("the eager arm replays nothing", f"{sum(type(e) is CudaGraphReplay for e in arms['eager'].events)} replays",
-              not any(type(e) is CudaGraphReplay for e in arms["eager"].events)),
+        Check("every graph-arm prefill step replays the prefill graphs",
+              f"{len(prefill_replays)} replays for {len(prefill['graphs'])} prefill steps",
+              len(prefill_replays) == len(prefill["graphs"]) > 0),
+        Check("each prefill replay pads to the smallest captured token count that fits",
+              f"{sum(r.padded_tokens == smallest_count(r.num_tokens) for r in prefill_replays)}/{len(prefill_replays)}",
+              all(r.padded_tokens == smallest_count(r.num_tokens) for r in prefill_replays)),
+        Check("the eager arm replays nothing", f"{eager_replays} replays", eager_replays == 0),
         Check("both arms produce the same greedy tokens", "identical" if token_stream(arms["eager"]) == token_stream(arms["graphs"])
               else "different", token_stream(arms["eager"]) == token_stream(arms["graphs"])),
     ]

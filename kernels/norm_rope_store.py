@@ -135,12 +135,19 @@ def norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q [N, H, D]``, normalised and rotated; K/V normalised (K), rotated (K) and stored at their slots."""
+    """``q [N, H, D]`` (into ``out`` when given), normalised and rotated; K/V normalised (K), rotated (K)
+    and stored at their slots."""
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = check_qkv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    q = qkv.new_empty(num_tokens, num_heads, head_dim)
+    if out is None:
+        q = qkv.new_empty(num_tokens, num_heads, head_dim)
+    else:
+        assert out.shape == (num_tokens, num_heads, head_dim) and out.is_contiguous(), "out: a contiguous [N, H, D]"
+        q = out
     if num_tokens == 0:
         return q
     _norm_rope_store_kernel[(num_tokens,)](

@@ -44,10 +44,13 @@ def norm_rope_store_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """From the fused projection ``qkv [N, (H + 2*KVH) * D]`` to attention's inputs: q and k
     RMS-normalised per head (QK-norm) and rotated at ``positions`` (``cos_sin_cache[pos]`` holds the
-    cos, then the sin, of the half frequencies), K/V written at their slots. Returns ``q [N, H, D]``."""
+    cos, then the sin, of the half frequencies), K/V written at their slots. Returns ``q [N, H, D]``,
+    in ``out`` when given."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
     q, k, v = qkv.reshape(-1, num_heads + 2 * num_kv_heads, head_dim).split(
@@ -56,7 +59,7 @@ def norm_rope_store_ref(
     q = rotary_ref(rms_norm_ref(q, q_norm_weight, eps), cos, sin)
     k = rotary_ref(rms_norm_ref(k, k_norm_weight, eps), cos, sin)
     store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q
+    return q if out is None else out.copy_(q)
 
 
 def store_kvcache_ref(
@@ -108,10 +111,14 @@ def prefill_attention_ref(
     cu_seqlens_k: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged prefill: ``q [total_q, H, D]``; sequence i owns ``q[cu_q[i]:cu_q[i+1]]`` and attends to
-    its first ``cu_k[i+1]-cu_k[i]`` cached tokens through ``block_tables[i]``. K/V must already be stored."""
-    out = torch.empty_like(q)
+    its first ``cu_k[i+1]-cu_k[i]`` cached tokens through ``block_tables[i]``. K/V must already be stored.
+    Into ``out`` when given (its rows of no sequence are left as they were)."""
+    if out is None:
+        out = torch.empty_like(q)
     cu_q = cu_seqlens_q.tolist()
     cu_k = cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):

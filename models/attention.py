@@ -26,13 +26,12 @@ from kernels.reference import (
 from models.context import get_context
 from models.layernorm import RMSNorm
 
-# (qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping) -> q
-NormRopeStoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor,
-                            torch.Tensor, torch.Tensor], torch.Tensor]
-# (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale) -> out
-PrefillFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+# (qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping, *, out=None)
+# -> q, into ``out`` when given
+NormRopeStoreFn = Callable[..., torch.Tensor]
+# (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale, *, out=None) -> out, into ``out`` when
+# given, its rows of no sequence left as they were
+PrefillFn = Callable[..., torch.Tensor]
 # (q, k_cache, v_cache, context_lens, block_tables, scale) -> out
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # NormRopeStoreFn's arguments, then (context_lens, block_tables, scale) -> out
@@ -107,31 +106,38 @@ class Attention(nn.Module):
             k_cache, v_cache, slot_mapping = self.k_cache, self.v_cache, context.slot_mapping
         else:
             k_cache, v_cache, slot_mapping = self._one_slot_per_token(qkv)
+        split = context.split if cached else None
         q = self.backend.norm_rope_store(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps, cos_sin_cache,
-                                         k_cache, v_cache, slot_mapping)
+                                         k_cache, v_cache, slot_mapping,
+                                         out=None if split is None else split.queries(qkv.shape[0]))
+        if split is not None:  # a prefill step in CUDA-graph pieces: attention runs between them
+            return split.attend(self)
         if not cached:
             out = _uncached_prefill(q, k_cache[:, 0], v_cache[:, 0], context.cu_seqlens_q, self.scale)
-        elif context.is_prefill and context.decode_seqs:
-            # A mixed step. Through the prefill kernel each decode row would take a whole tile of
-            # query rows and read its context once per query head; the decode kernel reads it once
-            # per KV head, split over the SMs. The prompts' rows keep their offsets into ``q``.
-            d = context.decode_seqs
-            out = self.backend.prefill(
-                q, self.k_cache, self.v_cache, context.cu_seqlens_q[d:], context.cu_seqlens_k[d:],
-                context.block_tables[d:], self.scale,
-            )
-            out[:d] = self.backend.decode(q[:d], self.k_cache, self.v_cache, context.context_lens,
-                                          context.block_tables[:d], self.scale)
         elif context.is_prefill:
-            out = self.backend.prefill(
-                q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.cu_seqlens_k,
-                context.block_tables, self.scale,
-            )
+            out = self.attend(q)
         else:
             out = self.backend.decode(
                 q, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale
             )
         return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A prefill or mixed step's attention for ``q [N, H, D]``, whose K/V are in the cache, into
+        ``out`` when given."""
+        context = get_context()
+        if not context.decode_seqs:
+            return self.backend.prefill(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.cu_seqlens_k,
+                                        context.block_tables, self.scale, out=out)
+        # A mixed step. Through the prefill kernel each decode row would take a whole tile of query rows
+        # and read its context once per query head; the decode kernel reads it once per KV head, split
+        # over the SMs. The prompts' rows keep their offsets into ``q``.
+        d = context.decode_seqs
+        out = self.backend.prefill(q, self.k_cache, self.v_cache, context.cu_seqlens_q[d:], context.cu_seqlens_k[d:],
+                                   context.block_tables[d:], self.scale, out=out)
+        out[:d] = self.backend.decode(q[:d], self.k_cache, self.v_cache, context.context_lens,
+                                      context.block_tables[:d], self.scale)
+        return out
 
     def _one_slot_per_token(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Before the pool exists (the runner's memory-profiling forward) this step's K/V go to a

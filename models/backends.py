@@ -16,9 +16,9 @@ def triton_backend() -> AttentionBackend:
     from kernels.paged_attention import decode_attention, decode_attention_from_qkv, prefill_attention
     from kernels.ring_attention import merge_attention_, partial_attention
 
-    def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
+    def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale, *, out=None):
         return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale,
-                                 max_seqlen_q=get_context().max_seqlen_q)
+                                 max_seqlen_q=get_context().max_seqlen_q, out=out)
 
     def decode(q, k_cache, v_cache, context_lens, block_tables, scale):
         # No length hint: a captured graph is replayed for many context lengths.
@@ -38,11 +38,13 @@ def flash_attn_backend() -> AttentionBackend:
     from kernels.norm_rope_store import norm_rope_store
     from kernels.ring_attention import merge_attention_, partial_attention
 
-    def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale):
+    def prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, scale, *, out=None):
         context = get_context()
-        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                      max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
-                                      softmax_scale=scale, causal=True, block_table=block_tables)
+        result = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                        max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+                                        softmax_scale=scale, causal=True, block_table=block_tables)
+        # Its varlen call takes no output buffer.
+        return result if out is None else out.copy_(result)
 
     def decode(q, k_cache, v_cache, context_lens, block_tables, scale):
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,

@@ -19,6 +19,16 @@ class RingForward(Protocol):
                       cos_sin_cache: torch.Tensor) -> torch.Tensor: ...
 
 
+class AttentionSplit(Protocol):
+    """A prefill step's forward in CUDA-graph pieces (``engine.prefill_graphs.PrefillGraphs``): each
+    attention layer stores its queries in ``queries(num_tokens)`` and ends a piece at ``attend``, whose
+    result (the static buffer the next piece reads) is the layer's output ``[N, H*D]``."""
+
+    def queries(self, num_tokens: int) -> torch.Tensor: ...
+
+    def attend(self, attention: Any) -> torch.Tensor: ...
+
+
 @dataclass(slots=True)
 class Context:
     is_prefill: bool = False
@@ -41,6 +51,8 @@ class Context:
     # Per layer, a CUDA event its work waits for on the device before it starts (None: no wait): the
     # host tier's streamed loads, whose layer groups land while earlier layers compute.
     kv_ready: list[Any] | None = None
+    # A prefill forward in CUDA-graph pieces: being captured, or run eagerly through the same buffers.
+    split: AttentionSplit | None = None
 
 
 _CONTEXT = Context()

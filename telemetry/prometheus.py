@@ -43,6 +43,7 @@ from engine.events import (
     HostHit,
     KVTransfer,
     Preempt,
+    PrefillGraphReplay,
     PrefixHit,
     RequestArrived,
     RequestFinished,
@@ -269,6 +270,7 @@ class PrometheusExporter(Consumer):
             FirstToken: self._on_first_token,
             CudaGraphCapture: self._on_capture,
             CudaGraphReplay: self._on_replay,
+            PrefillGraphReplay: self._on_prefill_replay,
             RequestFinished: self._on_finished,
         }
         if self.residency is not None:
@@ -419,6 +421,12 @@ class PrometheusExporter(Consumer):
         self.graph_replays = self._counter("glassbox:cudagraph_replays", "Decode steps that replayed a CUDA graph.").labels(*lv)
         self.graph_padded_slots = self._counter(
             "glassbox:cudagraph_padded_slots", "Batch slots computed only as padding up to a captured graph size."
+        ).labels(*lv)
+        self.prefill_graph_replays = self._counter(
+            "glassbox:prefill_cudagraph_replays", "Prefill and mixed steps that replayed the prefill CUDA graphs."
+        ).labels(*lv)
+        self.prefill_graph_padded_tokens = self._counter(
+            "glassbox:prefill_cudagraph_padded_tokens", "Tokens computed only as padding up to a captured prefill graph."
         ).labels(*lv)
         self.graph_capture_seconds = self._gauge(
             "glassbox:cudagraph_capture_seconds", "Time spent capturing CUDA graphs at start-up."
@@ -646,6 +654,10 @@ class PrometheusExporter(Consumer):
     def _on_replay(self, e: CudaGraphReplay) -> None:
         self.graph_replays.inc()
         self.graph_padded_slots.inc(e.padded_batch_size - e.batch_size)
+
+    def _on_prefill_replay(self, e: PrefillGraphReplay) -> None:
+        self.prefill_graph_replays.inc()
+        self.prefill_graph_padded_tokens.inc(e.padded_tokens - e.num_tokens)
 
     def _on_finished(self, e: RequestFinished) -> None:
         counter = self.request_success.get(e.reason)

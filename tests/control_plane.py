@@ -12,8 +12,10 @@ measured like the engine's, so tests assert relations between event fields, neve
 
 The part a model runner would emit is mimicked, minimally, on a pretend CUDA device
 (``device="cuda"`` and not ``enforce_eager``): ``cudagraph_capture`` at start for the engine's own
-``graph_batch_sizes``, and ``cudagraph_replay`` for every decode step, padded to the smallest
-captured size that holds its batch. On the CPU (the default) the steps are eager, as the engine's.
+``graph_batch_sizes`` and (on one rank, without CPU-offload mode) ``prefill_token_counts``,
+``cudagraph_replay`` for every decode step, padded to the smallest captured size that holds its
+batch, and ``prefill_graph_replay`` for every other step, padded to the smallest captured token count
+that holds its tokens. On the CPU (the default) the steps are eager, as the engine's.
 
 The fake model keeps a pretend K/V cache: each block's slots hold the token whose K/V a launched
 step wrote there. A step checks that everything it attends to holds the right tokens, so a block
@@ -36,6 +38,7 @@ from engine.events import (
     WAITING_REASONS,
     CudaGraphCapture,
     CudaGraphReplay,
+    PrefillGraphReplay,
     EngineStarted,
     Event,
     EventBus,
@@ -44,6 +47,7 @@ from engine.events import (
     Step,
 )
 from engine.model_runner import graph_batch_sizes
+from engine.prefill_graphs import prefill_token_counts
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejectedError, ScheduledBatch, Scheduler
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -185,12 +189,16 @@ class FakeEngine:
             kv_offloading_policy=config.kv_offloading_policy,
             preemption_mode=config.preemption_mode, batching=config.batching,
             scheduling_policy=config.scheduling_policy, wall_time=time.time())
-        # Model-runner mimicry: decode CUDA graphs on a (pretend) CUDA device unless eager.
+        # Model-runner mimicry: decode and prefill CUDA graphs on a (pretend) CUDA device unless eager.
         self.graph_sizes: list[int] = []
+        self.prefill_counts: list[int] = []
         if device.startswith("cuda") and not config.enforce_eager:
             self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
+            if config.tensor_parallel_size == 1 and not config.enable_cpu_offload:
+                self.prefill_counts = prefill_token_counts(
+                    min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len))
             self.bus.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_sizes), seconds=CAPTURE_SECONDS,
-                              pool_bytes=GRAPH_POOL_BYTES)
+                              pool_bytes=GRAPH_POOL_BYTES, prefill_token_counts=tuple(self.prefill_counts))
 
     # --- requests (LLMEngine.add_request / abort_request) --------------------------------------
 
@@ -297,6 +305,11 @@ class FakeEngine:
             padded = next(size for size in self.graph_sizes if size >= len(batch.seqs))
             if self.bus.active:
                 self.bus.emit(CudaGraphReplay, batch_size=len(batch.seqs), padded_batch_size=padded)
+        elif self.prefill_counts:
+            num_tokens = sum(batch.num_tokens)
+            if self.bus.active:
+                self.bus.emit(PrefillGraphReplay, num_tokens=num_tokens,
+                              padded_tokens=next(n for n in self.prefill_counts if n >= num_tokens))
         tokens = [fake_token(history) for history in histories]
         launched = InFlight(batch, tokens, self.steps, start, schedule_s, prepare_s=t1 - t0,
                             launch_s=time.perf_counter() - t1, padded_batch_size=padded)

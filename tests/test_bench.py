@@ -207,6 +207,24 @@ def test_the_host_tier_ab_needs_a_tier(capsys):
     assert "--ab host-tier compares a host tier with none: give it one" in capsys.readouterr().err
 
 
+def test_the_prefill_graphs_ab_needs_an_engine_that_has_them(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cpu", "--ab", "prefill-graphs"])
+    assert exit_info.value.code == 2
+    assert "--ab prefill-graphs compares prefill graphs with eager prefill steps" in capsys.readouterr().err
+
+
+def test_the_prefill_graphs_ab_takes_them_away_for_the_off_arm_and_back():
+    graphs = object()
+    llm = SimpleNamespace(model_runner=SimpleNamespace(prefill_graphs=graphs))
+    with bench.prefill_graphs_detached(llm, detach=False):
+        assert llm.model_runner.prefill_graphs is graphs
+    with pytest.raises(RuntimeError), bench.prefill_graphs_detached(llm, detach=True):
+        assert llm.model_runner.prefill_graphs is None
+        raise RuntimeError("a run that failed")
+    assert llm.model_runner.prefill_graphs is graphs
+
+
 def test_a_cpu_run_of_the_host_tier_ab_alternates_the_arms(tiny_checkpoint, capsys):
     argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--num-requests", "1", "--ab", "host-tier",
             "--ab-runs", "1", "--num-host-kvcache-blocks", "64", "--block-size", "16"]

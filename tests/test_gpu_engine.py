@@ -14,12 +14,14 @@ float32 twin at 2-15% of positions.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import gc
 import random
 
 import pytest
 import torch
 
+from engine.events import PrefillGraphReplay
 from engine.llm_engine import LLM
 from engine.sampling_params import SamplingParams
 from models.checkpoint import PRESETS, ensure_checkpoint
@@ -59,14 +61,15 @@ def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def greedy_twice_against_transformers(preset: str, seed: int = 0, started=lambda: None, **engine) -> dict:
+def greedy_twice_against_transformers(preset: str, seed: int = 0, started=lambda llm: None, **engine) -> dict:
     """Six prompts of 7 to 1,000 tokens decode 48 greedy tokens each, then again through prefix-cache
-    hits, on an engine of these options; the tokens checked by the teacher-forced rule. ``started``
-    runs once the engine is up (its warm-up forward done), before the first prompt."""
+    hits, on an engine of these options; the tokens checked by the teacher-forced rule. ``started(llm)``
+    runs once the engine is up (its warm-up forward done and its graphs captured), before the first
+    prompt."""
     model_dir = ensure_checkpoint(preset)
     llm = LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, **engine)
     assert llm.model_runner.dtype == torch.bfloat16 and llm.model_runner.backend.name in ("triton", "flash-attn")
-    started()
+    started(llm)
     prompts = prompts_for(llm.model_config.vocab_size, [7, 100, 333, 600, 1000, 31], seed=seed)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -90,28 +93,37 @@ def test_prefill_gate_up_silu_matches_transformers(monkeypatch):
     """Prefill's gate/up product with SiLU-and-mul in its epilogue (``kernels.prefill_gemm``), here
     taken by every prefill step of 64 rows or more: the same rule. Qwen3-0.6B: the tiny model's
     products are small enough for the skinny GEMM at these rows. Measured on an H100: 69 engine
-    mismatches against transformers' 65 of 576, the same 69 with cuBLAS and the SiLU kernel."""
+    mismatches against transformers' 65 of 576, the same 69 with cuBLAS and the SiLU kernel. The
+    steps replay prefill graphs, so the kernel is called when they are captured."""
     import models.qwen3
     from kernels import prefill_gemm
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("kernels.prefill_gemm is built for Hopper's TMA and wgmma; other GPUs keep cuBLAS")
 
-    calls = []
+    captured, replays = [], []
 
     def counted(x, weight):
-        calls.append(x.shape[0])
+        if torch.cuda.is_current_stream_capturing():
+            captured.append(x.shape[0])
         return prefill_gemm.gate_up_silu(x, weight)
+
+    def started(llm):
+        llm.events.subscribe(lambda e: replays.append((e.num_tokens, e.padded_tokens))
+                             if type(e) is PrefillGraphReplay else None)
 
     monkeypatch.setattr(prefill_gemm, "MIN_ROWS", 64)
     monkeypatch.setattr(models.qwen3, "gate_up_silu", counted)
-    counts = greedy_twice_against_transformers("qwen3-0.6b", seed=2, started=calls.clear, kvcache_block_size=256,
-                                               max_num_batched_tokens=1024)
-    # The prompts as prefill-first batches them within 1,024 tokens a step (its 31-token step stays
-    # under MIN_ROWS), then the tails the prefix cache lacks: every layer of every step of 64 rows or
-    # more.
+    # At most 256 rows a decode graph: the skinny GEMM takes all of their gate/up products.
+    counts = greedy_twice_against_transformers("qwen3-0.6b", seed=2, started=started, kvcache_block_size=256,
+                                               max_num_batched_tokens=1024, max_num_seqs=256)
+    # Every layer of the prefill graphs of 1,024 and 512 rows (1,024 tokens a step): at 256 rows and
+    # fewer the skinny GEMM takes the 0.6B's gate/up (``skinny_gemm.MAX_MACS``).
     layers = PRESETS["qwen3-0.6b"].num_hidden_layers
-    assert calls == [rows for rows in (440, 600, 1000, 535) for _ in range(layers)], calls
+    assert captured == [rows for rows in (1024, 512) for _ in range(layers)], Counter(captured)
+    # The prompts as prefill-first batches them within 1,024 tokens a step, then the tails the prefix
+    # cache lacks: all but the 31-token step replay those graphs.
+    assert replays == [(440, 512), (600, 1024), (1000, 1024), (31, 32), (535, 1024)], replays
     assert counts["exempt"] <= 0.05 * counts["checked"]
     assert counts["engine_mismatches"] <= 1.5 * counts["transformers_bf16_mismatches"] + 0.01 * counts["checked"]
 

@@ -262,13 +262,13 @@ def test_decode_without_kv_cache_is_an_error(model: Qwen3ForCausalLM) -> None:
 def test_attention_backend_is_used_by_every_layer(model: Qwen3ForCausalLM) -> None:
     calls: list[str] = []
 
-    def store(*args: object) -> torch.Tensor:
+    def store(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append("store")
-        return norm_rope_store_ref(*args)  # type: ignore[arg-type]
+        return norm_rope_store_ref(*args, **kwargs)  # type: ignore[arg-type]
 
-    def prefill(*args: object) -> torch.Tensor:
+    def prefill(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append("prefill")
-        return prefill_attention_ref(*args)  # type: ignore[arg-type]
+        return prefill_attention_ref(*args, **kwargs)  # type: ignore[arg-type]
 
     def decode(*args: object) -> torch.Tensor:
         calls.append("decode")

@@ -74,6 +74,8 @@ REQUIRED = {
     "glassbox:prefill_chunks": ("counter", BASE, None),
     "glassbox:cudagraph_replays": ("counter", BASE, None),
     "glassbox:cudagraph_padded_slots": ("counter", BASE, None),
+    "glassbox:prefill_cudagraph_replays": ("counter", BASE, None),
+    "glassbox:prefill_cudagraph_padded_tokens": ("counter", BASE, None),
     "glassbox:cudagraph_capture_seconds": ("gauge", BASE, None),
     "glassbox:cudagraph_pool_bytes": ("gauge", BASE, None),
     "glassbox:steps": ("counter", BASE | {"phase"}, None),
@@ -232,6 +234,11 @@ def test_totals_agree_with_the_event_stream(exporter, events):
     assert value(fam, "glassbox:prefill_chunks_total") == sum(sum(e.chunked) for e in events if e.kind == "schedule") > 0
     assert value(fam, "glassbox:cudagraph_replays_total") == len(replays) > 0
     assert value(fam, "glassbox:cudagraph_padded_slots_total") == sum(e.padded_batch_size - e.batch_size for e in replays) > 0
+    prefill_replays = [e for e in events if e.kind == "prefill_graph_replay"]
+    assert value(fam, "glassbox:prefill_cudagraph_replays_total") == len(prefill_replays) == sum(
+        e.phase != "decode" for e in steps) > 0
+    assert value(fam, "glassbox:prefill_cudagraph_padded_tokens_total") == sum(
+        e.padded_tokens - e.num_tokens for e in prefill_replays) > 0
     assert value(fam, "glassbox:cudagraph_capture_seconds") == CAPTURE_SECONDS
     assert value(fam, "glassbox:cudagraph_pool_bytes") == GRAPH_POOL_BYTES
     for phase in ("prefill", "decode"):

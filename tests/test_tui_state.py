@@ -15,6 +15,7 @@ from engine.events import (
     EngineStarted,
     FirstToken,
     Preempt,
+    PrefillGraphReplay,
     PrefixHit,
     RequestArrived,
     RequestFinished,
@@ -114,7 +115,7 @@ def test_whole_workload_ends_consistent():
     first_hits = {e.request_id: e for e in reversed([e for e in events if e.kind == "prefix_hit"])}
     assert state.hit_tokens == sum(e.hit_tokens for e in first_hits.values()) > 0  # first admissions only
     assert state.query_tokens == sum(e.query_tokens for e in first_hits.values())
-    assert state.num_graph_replays == sum(e.kind == "cudagraph_replay" for e in events) > 0
+    assert state.num_graph_replays == sum(e.kind in ("cudagraph_replay", "prefill_graph_replay") for e in events) > 0
     assert state.num_chunks == sum(sum(e.chunked) for e in events if e.kind == "schedule") > 0
     assert state.graph_batch_sizes == tuple(engine.graph_sizes) and state.graph_batch_sizes
     assert len(state.timeline) == sum(e.kind == "step" for e in events)
@@ -196,11 +197,15 @@ def test_timeline_marks_chunks_preemptions_and_graph_replays():
         Preempt(t=102, step=2, request_id=2, num_tokens=20, freed_blocks=2, for_request_id=1, mode="recompute", cpu_block_ids=()),
         CudaGraphReplay(t=102, step=2, batch_size=3, padded_batch_size=4),
         step(2, 102.1, decode=3),
+        PrefillGraphReplay(t=103, step=3, num_tokens=40, padded_tokens=64),
+        step(3, 103.1, "prefill", prefill=40, decode=0),
     )
-    first, second = state.timeline
+    first, second, third = state.timeline
     assert (first.phase, first.prefill_tokens, first.chunks, first.preemptions) == ("prefill", 64, 1, 0)
+    assert (first.graph_replay, first.padded_tokens) == (False, None)
     assert (second.preemptions, second.graph_replay, second.decode_tokens) == (1, True, 3)
-    assert state.num_chunks == 1 and state.num_graph_replays == 1
+    assert (third.graph_replay, third.padded_tokens, third.padded_batch_size) == (True, 64, None)
+    assert state.num_chunks == 1 and state.num_graph_replays == 2
 
 
 def test_rates_and_history_come_from_event_times():

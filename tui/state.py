@@ -27,6 +27,7 @@ from engine.events import (
     HostHit,
     KVTransfer,
     Preempt,
+    PrefillGraphReplay,
     PrefixHit,
     RequestArrived,
     RequestFinished,
@@ -104,6 +105,7 @@ class StepRecord:
     duration_s: float
     stored_blocks: int = 0  # blocks whose copies to the host tier landed in this step
     loaded_blocks: int = 0  # and back to the GPU
+    padded_tokens: int | None = None  # a prefill or mixed step's, when it replayed the prefill graphs
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,7 @@ class _StepDraft:
     chunks: int = 0
     preemptions: int = 0
     graph_replay: bool = False
+    padded_tokens: int | None = None
     stored_blocks: int = 0
     loaded_blocks: int = 0
 
@@ -206,7 +209,7 @@ class DashboardState:
         self.decode_history: deque[float] = deque(maxlen=HISTORY_BUCKETS)
         self._bucket_start: float | None = None
         self._bucket_tokens = [0, 0]
-        self.num_graph_replays = 0
+        self.num_graph_replays = 0  # steps that replayed CUDA graphs: decode graphs or the prefill pieces
         self.num_chunks = 0
         # --- latency
         self.ttfts: deque[float] = deque(maxlen=LATENCY_SAMPLES)
@@ -623,6 +626,11 @@ class DashboardState:
         self.num_graph_replays += 1
         self._draft_for(e.step).graph_replay = True
 
+    def _on_prefill_graph_replay(self, e: PrefillGraphReplay) -> None:
+        self.num_graph_replays += 1
+        draft = self._draft_for(e.step)
+        draft.graph_replay, draft.padded_tokens = True, e.padded_tokens
+
     def _on_step(self, e: Step) -> None:
         draft = self._draft.pop(e.step, None) or _StepDraft()
         # Drafts of steps that never finished (an error mid-step) would otherwise pile up.
@@ -630,7 +638,7 @@ class DashboardState:
             del self._draft[stale]
         self.timeline.append(StepRecord(e.step, e.phase, e.num_seqs, e.num_prefill_tokens, e.num_decode_tokens,
                                         draft.chunks, draft.preemptions, draft.graph_replay, e.padded_batch_size,
-                                        e.duration_s, draft.stored_blocks, draft.loaded_blocks))
+                                        e.duration_s, draft.stored_blocks, draft.loaded_blocks, draft.padded_tokens))
         self._recent_steps.append((e.t, e.num_prefill_tokens, e.num_decode_tokens))
         while self._recent_steps and self._recent_steps[0][0] <= e.t - RATE_WINDOW_S:
             self._recent_steps.popleft()
@@ -703,6 +711,7 @@ _HANDLERS = {
     Waiting: DashboardState._on_waiting,
     Preempt: DashboardState._on_preempt,
     CudaGraphReplay: DashboardState._on_graph_replay,
+    PrefillGraphReplay: DashboardState._on_prefill_graph_replay,
     Step: DashboardState._on_step,
     Tokens: DashboardState._on_tokens,
     FirstToken: DashboardState._on_first_token,

@@ -81,7 +81,8 @@ class StepTimeline(Widget):
                      (4, Text(f" · {last.num_seqs} seqs")), (5, Text(f" · {tokens} tok")),
                      (3, Text(f" · {fmt.seconds(last.duration_s)}"))]
             if last.graph_replay:
-                parts.append((2, Text(f" · graph {last.padded_batch_size}")))
+                padded = last.padded_batch_size if last.padded_tokens is None else f"{last.padded_tokens} tok"
+                parts.append((2, Text(f" · graph {padded}")))
             parts += [(6, Text(f" · chunks {state.num_chunks}")),
                       (7, Text(f" · preemptions {state.num_preemptions}"))]
             self.border_title = fmt.fit(parts, self.outer_size.width - fmt.TITLE_INSET)
