@@ -147,7 +147,8 @@ class ModelRunner:
         self.offload: OffloadingHandler | None = None
         self.ring: OffloadEngine | None = None
         # Its buffers before the KV pool is sized, which leaves room for them. Not under tensor
-        # parallelism: there the GPU test of two ranks hung with them (docs/performance.md).
+        # parallelism: there the GPU test of two ranks hung with them, likely at shutdown, which
+        # destroys only the decode graphs before NCCL's teardown (docs/performance.md).
         self.prefill_graphs: PrefillGraphs | None = None
         if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_cpu_offload
                 and config.tensor_parallel_size == 1):
