@@ -296,14 +296,20 @@ def test_max_model_len_is_capped_by_the_model(tiny_checkpoint):
     assert llm.config.max_model_len == llm.model_config.max_position_embeddings
 
 
-def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_checkpoint):
+@pytest.mark.parametrize("padded", [None, 80])
+def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_checkpoint, padded):
     """``prepare_prefill`` against a token-by-token construction: a whole prompt, a chunk that
-    continues a partial prompt and a prompt behind cached blocks, with scrambled block tables."""
+    continues a partial prompt and a prompt behind cached blocks, with scrambled block tables; and
+    staged into the prefill graphs' buffers, padded (token 0, position 0, no cache slot)."""
+    from engine.prefill_graphs import PrefillGraphs
     from engine.sequence import Sequence
     from models.context import get_context, reset_context
 
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
     runner, bs = llm.model_runner, 16
+    if padded is not None:  # a CPU runner has none: the buffers alone, as a GPU runner's
+        runner.prefill_graphs = PrefillGraphs(runner.model, 128, llm.model_config.hidden_size, runner.dtype,
+                                              runner.device)
     rng = random.Random(5)
     plans = [(0, 37), (21, 30), (32, 5)]  # (num_cached_tokens, num_scheduled_tokens)
     seqs = []
@@ -313,7 +319,7 @@ def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_check
         seq.block_table = rng.sample(range(100), -(-(cached + scheduled) // bs))
         seqs.append(seq)
     try:
-        input_ids, positions = runner.prepare_prefill(seqs)
+        input_ids, positions = runner.prepare_prefill(seqs, padded)
         context = get_context()
         expected_ids, expected_positions, expected_slots = [], [], []
         for seq in seqs:
@@ -321,6 +327,14 @@ def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_check
                 expected_ids.append(seq.token_ids[p])
                 expected_positions.append(p)
                 expected_slots.append(seq.block_table[p // bs] * bs + p % bs)
+        if padded is not None:
+            pad = padded - len(expected_ids)
+            expected_ids, expected_positions, expected_slots = (
+                expected_ids + [0] * pad, expected_positions + [0] * pad, expected_slots + [-1] * pad)
+            graphs = runner.prefill_graphs
+            assert input_ids.data_ptr() == graphs.input_ids.data_ptr()
+            assert positions.data_ptr() == graphs.positions.data_ptr()
+            assert context.slot_mapping.data_ptr() == graphs.slot_mapping.data_ptr()
         assert input_ids.tolist() == expected_ids and positions.tolist() == expected_positions
         assert context.slot_mapping.tolist() == expected_slots
         assert context.cu_seqlens_q.tolist() == [0, 37, 67, 72]
@@ -333,6 +347,36 @@ def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_check
         assert all(b == -1 for row, seq in zip(context.block_tables.tolist(), seqs) for b in row[len(seq.block_table):])
     finally:
         reset_context()
+
+
+def test_a_mixed_steps_in_flight_token_lands_in_the_prefill_graphs_buffer(tiny_checkpoint):
+    """A decode row whose token the step in flight is still sampling is read from that step's samples
+    on the device, into the buffer the prefill graphs read, not into a copy of it."""
+    from engine.prefill_graphs import PrefillGraphs
+    from engine.sequence import PLACEHOLDER, Sequence
+    from models.context import reset_context
+
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    runner = llm.model_runner
+    decoding = Sequence(list(range(1, 21)), greedy(), 16, 0.0)
+    decoding.append_token(PLACEHOLDER)
+    decoding.is_prefill, decoding.num_cached_tokens, decoding.num_scheduled_tokens = False, 20, 1
+    decoding.block_table = [3, 4]
+    prompt = Sequence(list(range(100, 110)), greedy(), 16, 0.0)
+    prompt.num_scheduled_tokens, prompt.block_table = 10, [7]
+    runner.sample_rows = {decoding.seq_id: 2}
+    # As the runner makes and fills them: inference tensors.
+    with torch.inference_mode():
+        runner.prefill_graphs = PrefillGraphs(runner.model, 64, llm.model_config.hidden_size, runner.dtype,
+                                              runner.device)
+        runner.sampled[2] = 777
+        try:
+            input_ids, positions = runner.prepare_prefill([decoding, prompt], padded=16)
+        finally:
+            reset_context()
+    assert input_ids.tolist() == [777, *range(100, 110)] + [0] * 5
+    assert positions.tolist() == [20, *range(10)] + [0] * 5
+    assert runner.prefill_graphs.input_ids[:16].tolist() == input_ids.tolist()
 
 
 def test_a_string_tokenised_outside_the_vocabulary_is_refused(tiny_checkpoint, monkeypatch):
