@@ -60,8 +60,7 @@ class PrefillGraphs:
         self.query_buffer = torch.zeros(max_tokens, heads, head_dim, dtype=dtype, device=device)
         self.attn_out = torch.zeros(max_tokens, heads, head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.token_counts: list[int] = []
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # the pieces, by token count
         # The forward under way through the buffers: its rows, and those attention takes (the step's own).
         self._num_tokens = self._attended = 0
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
@@ -69,7 +68,7 @@ class PrefillGraphs:
 
     def padded(self, num_tokens: int) -> int | None:
         """The captured count a step of ``num_tokens`` replays, or None (none captured that large)."""
-        return next((n for n in self.token_counts if n >= num_tokens), None)
+        return min((n for n in self.graphs if n >= num_tokens), default=None)
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
               padded: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,7 +135,6 @@ class PrefillGraphs:
         for piece in pieces:
             piece.replay()
         self.graphs[num_tokens] = pieces
-        self.token_counts = sorted(self.graphs)
 
     def _begin_piece(self) -> None:
         assert self._capturing is not None

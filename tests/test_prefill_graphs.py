@@ -40,7 +40,7 @@ def test_token_counts_of_the_yardstick_budget() -> None:
 def test_a_step_replays_the_smallest_captured_count_that_holds_it(model: Qwen3ForCausalLM) -> None:  # noqa: F811
     graphs = PrefillGraphs(model, 64, model.config.hidden_size, torch.float32, torch.device("cpu"))
     assert graphs.padded(1) is None  # nothing captured yet: the step runs eagerly
-    graphs.token_counts = [16, 32, 64]
+    graphs.graphs = {64: [], 32: [], 16: []}  # captured largest first
     assert [graphs.padded(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
 
 
