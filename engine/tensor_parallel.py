@@ -24,10 +24,10 @@ CPU) keep the ranks in step.
   (``models.all_reduce``), which wait in a loop of their own (workers still waiting in one are
   terminated at shutdown). Either way the call raises ``WorkerError`` with the worker's error, and after any
   failed call the ranks are out of step: the group refuses further calls until it is closed.
-- CUDA graphs: the decode graphs hold the NCCL communicator (NCCL >= 2.26 counts the graphs that
-  captured its collectives), and both its orderly teardown and its abort wait until every such graph
-  is destroyed, while destroying a graph waits for its kernels. Shutdown destroys the graphs, then
-  the group. An abort runs on a thread of its own, since only it stops a kernel stuck on a dead peer,
+- CUDA graphs: the decode graphs and the prefill graphs' first pieces (the embedding's all-reduce)
+  hold the NCCL communicator (NCCL >= 2.26 counts the graphs that captured its collectives), and both
+  its orderly teardown and its abort wait until every such graph is destroyed, while destroying a
+  graph waits for its kernels. Shutdown destroys every graph, then the group. An abort runs on a thread of its own, since only it stops a kernel stuck on a dead peer,
   while the graphs are destroyed beside it; rank 0's graphs sit behind a lock so that the watchdog
   never destroys one that the engine thread is launching.
 - Shutdown (``close()``, at interpreter exit, or when the group is garbage-collected): workers in
@@ -189,8 +189,10 @@ class TensorParallelGroup:
             with self._in_step():
                 self.runner = ModelRunner(config, model_config, rank=0, events=events,
                                           all_reduce_abort=self._workers.all_reduce_abort)
-            # The runner captures into this dict later; the workers' side destroys what it holds.
+            # The runner captures into these dicts later; the workers' side destroys what they hold.
             self.runner.graphs = self._workers.graphs
+            if self.runner.prefill_graphs is not None:
+                self.runner.prefill_graphs.graphs = self._workers.prefill_pieces
         except BaseException:
             self.close()
             raise
@@ -249,8 +251,10 @@ class _Workers:
         self.commands: list[Connection] = []  # rank 0 -> worker: pickled calls
         self.reports: list[Connection] = []  # worker -> rank 0: "ready", then only an error report
         self.store: dist.TCPStore | None = None
-        # Rank 0's captured CUDA graphs (installed as the runner's dict), destroyed before the group.
+        # Rank 0's captured CUDA graphs (installed as the runner's dicts: the decode graphs by batch
+        # size, the prefill graphs' pieces by token count), destroyed before the group.
         self.graphs = _GuardedGraphs()
+        self.prefill_pieces = _GuardedGraphs()
         # Rank 0's one-shot all-reduce's abort word (models.all_reduce), raised when peers are gone.
         self.all_reduce_abort: torch.Tensor | None = None
         self.owns_process_group = False
@@ -329,7 +333,7 @@ class _Workers:
             # rank 0's pending work returns and the call can raise.
             try:
                 _abort_destroying_graphs(lambda: dist.distributed_c10d._get_default_group().abort(),
-                                         self.graphs)
+                                         self.graphs, self.prefill_pieces)
             except Exception:
                 logger.exception("aborting the NCCL process group after a worker failure failed")
 
@@ -374,29 +378,32 @@ class _Workers:
         if self.backend == "nccl" and not orderly:
             # Peers are gone or stuck mid-collective: an orderly NCCL teardown would wait for them.
             self._abort_all_reduce()
-            _abort_destroying_graphs(dist.distributed_c10d._abort_process_group, self.graphs)
+            _abort_destroying_graphs(dist.distributed_c10d._abort_process_group, self.graphs, self.prefill_pieces)
         else:
-            _release_cuda_graphs(self.graphs)
+            _release_cuda_graphs(self.graphs, self.prefill_pieces)
             dist.destroy_process_group()
 
 
-def _release_cuda_graphs(graphs: dict[int, Any]) -> None:
+def _release_cuda_graphs(*captured: dict[int, Any]) -> None:
     """Before an orderly teardown, every rank idle: NCCL's teardown waits until no CUDA graph holds
-    its communicator. ``reset()`` destroys a graph even where another reference to it survives."""
-    if graphs:
+    its communicator. ``reset()`` destroys a graph even where another reference to it survives.
+    ``captured``: dicts of graphs, or of lists of graphs (the prefill graphs' pieces)."""
+    if any(captured):
         torch.cuda.synchronize()
-        _destroy_cuda_graphs(graphs)
+        _destroy_cuda_graphs(*captured)
 
 
-def _destroy_cuda_graphs(graphs: dict[int, Any]) -> None:
-    # reset() releases the GIL, also while it waits for the graph's kernels. A copy: the watchdog and
+def _destroy_cuda_graphs(*captured: dict[int, Any]) -> None:
+    # reset() releases the GIL, also while it waits for the graph's kernels. Copies: the watchdog and
     # a shutdown may both get here.
-    for graph in list(graphs.values()):
-        graph.reset()
-    graphs.clear()
+    for graphs in captured:
+        for value in list(graphs.values()):
+            for graph in value if isinstance(value, list) else [value]:
+                graph.reset()
+        graphs.clear()
 
 
-def _abort_destroying_graphs(abort: Callable[[], None], graphs: dict[int, Any]) -> None:
+def _abort_destroying_graphs(abort: Callable[[], None], *captured: dict[int, Any]) -> None:
     """Abort NCCL and destroy the CUDA graphs that hold it, together: ``ncclCommAbort`` first raises
     the flag that makes kernels stuck on a dead peer return, then waits until no graph holds the
     communicator, while destroying a graph waits until its kernels return. So the abort runs on a
@@ -412,7 +419,7 @@ def _abort_destroying_graphs(abort: Callable[[], None], graphs: dict[int, Any]) 
     aborter = threading.Thread(target=run, name="glassbox-tp-abort", daemon=True)
     aborter.start()
     try:
-        _destroy_cuda_graphs(graphs)
+        _destroy_cuda_graphs(*captured)
     finally:
         aborter.join()
     if errors:
@@ -446,16 +453,22 @@ class _GuardedGraph:
 
 
 class _GuardedGraphs(dict):
-    """Rank 0's ``ModelRunner.graphs``: each graph captured into it is stored as a ``_GuardedGraph``."""
+    """Rank 0's ``ModelRunner.graphs`` or ``PrefillGraphs.graphs``: each graph captured into it (or
+    each piece of a list of them) is stored as a ``_GuardedGraph``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
 
-    def __setitem__(self, batch_size: int, graph: torch.cuda.CUDAGraph) -> None:
-        if not isinstance(graph, _GuardedGraph):
-            graph = _GuardedGraph(graph, self._lock)
-        super().__setitem__(batch_size, graph)
+    def __setitem__(self, key: int, graphs: torch.cuda.CUDAGraph | list[torch.cuda.CUDAGraph]) -> None:
+        if isinstance(graphs, list):
+            graphs = [self._guarded(graph) for graph in graphs]
+        else:
+            graphs = self._guarded(graphs)
+        super().__setitem__(key, graphs)
+
+    def _guarded(self, graph: torch.cuda.CUDAGraph) -> _GuardedGraph:
+        return graph if isinstance(graph, _GuardedGraph) else _GuardedGraph(graph, self._lock)
 
 
 def _worker_main(rank: int, world_size: int, port: int, config: Config, model_config: Qwen3Config,
@@ -479,7 +492,7 @@ def _worker_main(rank: int, world_size: int, port: int, config: Config, model_co
         while (message := pickle.loads(commands.recv_bytes())) is not None:
             fn, args = message
             fn(runner, *args)
-        _release_cuda_graphs(runner.graphs)
+        _release_cuda_graphs(runner.graphs, {} if runner.prefill_graphs is None else runner.prefill_graphs.graphs)
     except EOFError:  # rank 0 closed its end without a word: the engine process is gone
         os._exit(1)
     except BaseException as exc:

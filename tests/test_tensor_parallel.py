@@ -30,7 +30,8 @@ import torch.distributed as dist
 from engine.config import Config, ConfigError
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from engine.tensor_parallel import WorkerError, _choose_all_reduce, start_ignoring_sigint
+from engine.tensor_parallel import (WorkerError, _abort_destroying_graphs, _choose_all_reduce, _GuardedGraphs,
+                                    start_ignoring_sigint)
 import kernels.skinny_gemm as skinny_gemm_module
 from models.all_reduce import OneShotAllReduce
 from models.qwen3 import QKV_SKINNY_MAX_MACS, skinny_fits
@@ -67,6 +68,38 @@ def test_a_shard_takes_the_skinny_gemm_up_to_the_rows_one_gpu_does(tp, monkeypat
         shard = SimpleNamespace(weight=torch.empty(rows // tp, cols, device="meta"), tp_size=tp)
         assert skinny_fits(torch.empty(last_row, cols, device="meta"), shard, max_macs)
         assert not skinny_fits(torch.empty(last_row + 1, cols, device="meta"), shard, max_macs)
+
+
+class FakeGraph:
+    """A CUDA graph's replay and reset, counted (the guarded containers hold any such object)."""
+
+    def __init__(self) -> None:
+        self.replays = self.resets = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def test_an_abort_destroys_rank_0s_decode_graphs_and_every_prefill_piece_which_then_refuse_to_run():
+    # NCCL's abort waits until no graph holds its communicator: the prefill graphs' first piece holds
+    # it (the embedding's all-reduce) as the decode graphs do, so shutdown must reach the pieces too.
+    decode, pieces = _GuardedGraphs(), _GuardedGraphs()
+    originals = [FakeGraph() for _ in range(4)]
+    decode[8], pieces[16] = originals[0], originals[1:]
+    guarded = [decode[8], *pieces[16]]
+    for piece in guarded[1:]:
+        piece.replay()
+    aborted = []
+    _abort_destroying_graphs(lambda: aborted.append(True), decode, pieces)
+    assert aborted == [True] and not decode and not pieces
+    assert [graph.resets for graph in originals] == [1, 1, 1, 1]
+    assert [graph.replays for graph in originals] == [0, 1, 1, 1]
+    for graph in guarded:
+        with pytest.raises(RuntimeError, match="destroyed after a tensor-parallel worker failed"):
+            graph.replay()
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused_before_anything_starts(tiny_checkpoint):
