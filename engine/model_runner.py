@@ -146,12 +146,9 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.offload: OffloadingHandler | None = None
         self.ring: OffloadEngine | None = None
-        # Its buffers before the KV pool is sized, which leaves room for them. Not under tensor
-        # parallelism: there the GPU test of two ranks hung with them, likely at shutdown, which
-        # destroys only the decode graphs before NCCL's teardown (docs/performance.md).
+        # Its buffers before the KV pool is sized, which leaves room for them.
         self.prefill_graphs: PrefillGraphs | None = None
-        if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_cpu_offload
-                and config.tensor_parallel_size == 1):
+        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_cpu_offload:
             with torch.inference_mode():
                 self.prefill_graphs = PrefillGraphs(self.model, self.max_step_rows, model_config.hidden_size,
                                                     self.dtype, self.device)
@@ -511,7 +508,8 @@ class ModelRunner:
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-        prefill_counts = [] if self.prefill_graphs is None else prefill_token_counts(self.max_step_rows)
+        prefill_counts = ([] if self.prefill_graphs is None else
+                          prefill_token_counts(self.max_step_rows, self.prefill_graphs.flops_per_token))
         # Each count once eagerly through the same buffers first (kernels compile, cuBLAS meets the
         # row count), all before the first capture: the eager allocator's cache is then given back,
         # and the graphs' pool takes the activations' place in the memory the KV pool left.

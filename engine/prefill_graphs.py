@@ -11,7 +11,9 @@ MLP and the final norm), and each layer's attention runs eagerly between them, o
 sequences.
 
 A step of n tokens replays the pieces of the smallest captured count ``>= n``; its rows past n are
-padding (token 0 at position 0, no cache slot), which attention never reads. Pieces pass data through
+padding (token 0 at position 0, no cache slot), which attention never reads. A step larger than every
+captured count runs eagerly: counts stop where a forward's GPU time hides the host's launch anyway
+(``MAX_GRAPH_FLOPS``), past which padding would only cost. Pieces pass data through
 static buffers (the queries and attention's output; the inputs and the final hidden states), and
 through the shared memory pool, whose tensors a later piece of the same forward reads: pieces replay
 in the order they were captured, never beside another graph.
@@ -31,18 +33,25 @@ from models.attention import Attention, attention_layers
 # rows are computed like the step's own: the yardstick's ~16k-token steps pad by 70-680 rows.
 TOKEN_STEP = 1024
 SMALLEST = 16
+# The most matrix FLOPs of a captured forward. The host launches a prefill step in 12-31 ms (H100
+# machines); a step whose GPU time is longer gains nothing from a graph and pays for its padding. The
+# 0.6B's 16,384-token steps (14.4 TFLOP, ~30 ms on an H100) still gained; Qwen3-4B's (119 TFLOP, ~200
+# ms) ran 1.8% slower padded, as much as their padding (docs/performance.md).
+MAX_GRAPH_FLOPS = 16e12
 
 
-def prefill_token_counts(max_tokens: int) -> list[int]:
+def prefill_token_counts(max_tokens: int, flops_per_token: int) -> list[int]:
     """Token counts to capture: powers of two from ``SMALLEST`` below ``TOKEN_STEP``, then every multiple
-    of ``TOKEN_STEP``, and ``max_tokens`` itself, so that every prefill step pads to one."""
+    of ``TOKEN_STEP``, and ``max_tokens`` itself, so that every prefill step pads to one; but only those
+    whose forward costs at most ``MAX_GRAPH_FLOPS`` at ``flops_per_token`` (one token's matrix FLOPs in
+    the layers, on this rank)."""
     counts = []
     n = SMALLEST
     while n < min(TOKEN_STEP, max_tokens):
         counts.append(n)
         n *= 2
     counts += range(TOKEN_STEP, max_tokens, TOKEN_STEP)
-    return counts + [max_tokens]
+    return [n for n in [*counts, max_tokens] if n * flops_per_token <= MAX_GRAPH_FLOPS]
 
 
 class PrefillGraphs:
@@ -53,6 +62,8 @@ class PrefillGraphs:
                  device: torch.device) -> None:
         self.model = model
         self.layers: list[Attention] = attention_layers(model)
+        # The matrix products' FLOPs of one token through the layers (this rank's shards of them).
+        self.flops_per_token = 2 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
         heads, head_dim = self.layers[0].num_heads, self.layers[0].head_dim
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)

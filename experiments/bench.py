@@ -396,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab == "prefill-graphs" and (not on_gpu or args.enforce_eager or args.tensor_parallel_size > 1
                                             or args.enable_cpu_offload):
             raise OptionError("--ab prefill-graphs compares prefill graphs with eager prefill steps: the engine has "
-                              "them on one GPU only, without --enforce-eager, --tensor-parallel-size or "
-                              "--enable-cpu-offload")
+                              "none under --enforce-eager or --enable-cpu-offload, and the A/B detaches rank 0's "
+                              "alone, so it takes one GPU (no --tensor-parallel-size)")
         if not torch.cuda.is_available() and args.device != "cpu":
             raise OptionError(cpu_refusal(args))
         return run(args)

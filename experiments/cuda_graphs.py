@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     def smallest_count(tokens: int) -> int:
         return next(n for n in capture.prefill_token_counts if n >= tokens)
 
+    # Larger steps run eagerly (their GPU time hides the launch: engine.prefill_graphs.MAX_GRAPH_FLOPS).
+    held = [s for s in prefill["graphs"]
+            if s.num_prefill_tokens + s.num_decode_tokens <= max(capture.prefill_token_counts, default=0)]
     eager_replays = sum(type(e) in (CudaGraphReplay, PrefillGraphReplay) for e in arms["eager"].events)
 
     checks = [
@@ -123,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         Check("each replay pads to the smallest captured size that fits",
               f"{sum(r.padded_batch_size == smallest_fit(r.batch_size) for r in replays)}/{len(replays)}",
               all(r.padded_batch_size == smallest_fit(r.batch_size) for r in replays)),
-        Check("every graph-arm prefill step replays the prefill graphs",
-              f"{len(prefill_replays)} replays for {len(prefill['graphs'])} prefill steps",
-              len(prefill_replays) == len(prefill["graphs"]) > 0),
+        Check("every graph-arm prefill step that a captured token count holds replays the prefill graphs",
+              f"{len(prefill_replays)} replays for {len(held)} such prefill steps (of {len(prefill['graphs'])})",
+              len(prefill_replays) == len(held) > 0),
         Check("each prefill replay pads to the smallest captured token count that fits",
               f"{sum(r.padded_tokens == smallest_count(r.num_tokens) for r in prefill_replays)}/{len(prefill_replays)}",
               all(r.padded_tokens == smallest_count(r.num_tokens) for r in prefill_replays)),

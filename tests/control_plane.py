@@ -12,10 +12,10 @@ measured like the engine's, so tests assert relations between event fields, neve
 
 The part a model runner would emit is mimicked, minimally, on a pretend CUDA device
 (``device="cuda"`` and not ``enforce_eager``): ``cudagraph_capture`` at start for the engine's own
-``graph_batch_sizes`` and (on one rank, without CPU-offload mode) ``prefill_token_counts``,
+``graph_batch_sizes`` and (without CPU-offload mode) ``prefill_token_counts``,
 ``cudagraph_replay`` for every decode step, padded to the smallest captured size that holds its
-batch, and ``prefill_graph_replay`` for every other step, padded to the smallest captured token count
-that holds its tokens. On the CPU (the default) the steps are eager, as the engine's.
+batch, and ``prefill_graph_replay`` for every other step that a captured token count holds, padded
+to the smallest. On the CPU (the default) the steps are eager, as the engine's.
 
 The fake model keeps a pretend K/V cache: each block's slots hold the token whose K/V a launched
 step wrote there. A step checks that everything it attends to holds the right tokens, so a block
@@ -59,6 +59,7 @@ MODEL = "fake-qwen3"
 # What a pretend CUDA device reports for its graph capture (invented, but not zero).
 CAPTURE_SECONDS = 0.25
 GRAPH_POOL_BYTES = 64 << 20
+FLOPS_PER_TOKEN = 880_000_000  # the pretend model's prefill graphs stop where Qwen3-0.6B's do
 # A pretend KV block's size and copy time, for the host tier's transfer events.
 BLOCK_BYTES = 1 << 20
 COPY_SECONDS_PER_BLOCK = 25e-6
@@ -194,9 +195,9 @@ class FakeEngine:
         self.prefill_counts: list[int] = []
         if device.startswith("cuda") and not config.enforce_eager:
             self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
-            if config.tensor_parallel_size == 1 and not config.enable_cpu_offload:
+            if not config.enable_cpu_offload:
                 self.prefill_counts = prefill_token_counts(
-                    min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len))
+                    min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len), FLOPS_PER_TOKEN)
             self.bus.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_sizes), seconds=CAPTURE_SECONDS,
                               pool_bytes=GRAPH_POOL_BYTES, prefill_token_counts=tuple(self.prefill_counts))
 
@@ -305,8 +306,7 @@ class FakeEngine:
             padded = next(size for size in self.graph_sizes if size >= len(batch.seqs))
             if self.bus.active:
                 self.bus.emit(CudaGraphReplay, batch_size=len(batch.seqs), padded_batch_size=padded)
-        elif self.prefill_counts:
-            num_tokens = sum(batch.num_tokens)
+        elif self.prefill_counts and (num_tokens := sum(batch.num_tokens)) <= self.prefill_counts[-1]:
             if self.bus.active:
                 self.bus.emit(PrefillGraphReplay, num_tokens=num_tokens,
                               padded_tokens=next(n for n in self.prefill_counts if n >= num_tokens))

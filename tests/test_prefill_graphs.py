@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.prefill_graphs import SMALLEST, TOKEN_STEP, PrefillGraphs, prefill_token_counts
+from engine.prefill_graphs import MAX_GRAPH_FLOPS, SMALLEST, TOKEN_STEP, PrefillGraphs, prefill_token_counts
 from models.attention import TORCH_BACKEND, AttentionBackend, set_attention_backend
 from models.context import Context, reset_context, set_context
 from models.qwen3 import Qwen3ForCausalLM
@@ -22,9 +22,13 @@ from tests.test_models import PagedRunner, assert_close, hf_logits, model, rando
 PAD = 7  # rows of padding after every step's own
 
 
+# One token's matrix FLOPs in the layers of Qwen3-0.6B and of Qwen3-4B (2 x their non-embedding weights).
+FLOPS_06B, FLOPS_4B = 2 * 28 * 15_728_640, 2 * 36 * 100_925_440
+
+
 @pytest.mark.parametrize("max_tokens", [1, 16, 100, 1024, 2048, 5000, 16384])
 def test_every_step_size_pads_to_a_captured_count(max_tokens: int) -> None:
-    counts = prefill_token_counts(max_tokens)
+    counts = prefill_token_counts(max_tokens, FLOPS_06B)
     assert counts == sorted(set(counts)) and counts[-1] == max_tokens
     for n in range(1, max_tokens + 1):
         padded = next(c for c in counts if c >= n)
@@ -33,8 +37,24 @@ def test_every_step_size_pads_to_a_captured_count(max_tokens: int) -> None:
 
 
 def test_token_counts_of_the_yardstick_budget() -> None:
-    assert prefill_token_counts(16384) == [16, 32, 64, 128, 256, 512, *range(1024, 16385, 1024)]
-    assert prefill_token_counts(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert prefill_token_counts(16384, FLOPS_06B) == [16, 32, 64, 128, 256, 512, *range(1024, 16385, 1024)]
+    assert prefill_token_counts(2048, FLOPS_06B) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def test_counts_stop_where_a_forward_outgrows_the_hosts_launch() -> None:
+    # The 4B's forward passes MAX_GRAPH_FLOPS past 2,048 tokens: larger steps run eagerly, unpadded.
+    # A rank of two holds half the weights, so its graphs go twice as far.
+    assert prefill_token_counts(16384, FLOPS_4B) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert prefill_token_counts(16384, FLOPS_4B // 2) == [16, 32, 64, 128, 256, 512, *range(1024, 4097, 1024)]
+    assert prefill_token_counts(16384, int(MAX_GRAPH_FLOPS)) == []
+
+
+def test_the_flops_per_token_count_every_matrix_of_the_layers(model: Qwen3ForCausalLM) -> None:  # noqa: F811
+    config = model.config
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = config.hidden_size * (q + 2 * kv) + q * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
+    graphs = PrefillGraphs(model, 64, config.hidden_size, torch.float32, torch.device("cpu"))
+    assert graphs.flops_per_token == 2 * config.num_hidden_layers * per_layer
 
 
 def test_a_step_replays_the_smallest_captured_count_that_holds_it(model: Qwen3ForCausalLM) -> None:  # noqa: F811
