@@ -30,7 +30,7 @@ from engine.decode_inputs import DecodeInputs
 from engine.events import CudaGraphCapture, CudaGraphReplay, EventBus, PrefillGraphReplay
 from engine.kv_transfer import OffloadingHandler, store_staging_blocks
 from engine.offload_engine import OffloadEngine, chunk_limit
-from engine.prefill_graphs import PrefillGraphs, prefill_token_counts
+from engine.prefill_graphs import PrefillGraphs, layer_flops_per_token, prefill_token_counts
 from engine.sequence import PLACEHOLDER, Sequence
 from kernels.paged_attention import decode_batches
 from kernels.skinny_gemm import tile_rows
@@ -149,9 +149,11 @@ class ModelRunner:
         # Its buffers before the KV pool is sized, which leaves room for them.
         self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and not config.enable_cpu_offload:
-            with torch.inference_mode():
-                self.prefill_graphs = PrefillGraphs(self.model, self.max_step_rows, model_config.hidden_size,
-                                                    self.dtype, self.device)
+            counts = prefill_token_counts(self.max_step_rows, layer_flops_per_token(self.model))
+            if counts:
+                with torch.inference_mode():
+                    self.prefill_graphs = PrefillGraphs(self.model, counts, model_config.hidden_size, self.dtype,
+                                                        self.device)
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # Inference tensors, like every tensor a step makes (steps run in inference mode).
@@ -197,8 +199,12 @@ class ModelRunner:
         stats = torch.cuda.memory_stats(self.device)
         used = total - free
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        # With prefill graphs, their pool holds these activations instead (every prefill step replays).
         available = int(total * self.config.gpu_memory_utilization) - used - peak + current
+        # The prefill graphs' pool takes these activations' place. Where their counts stop short of the
+        # largest step (MAX_GRAPH_FLOPS), larger steps take them eagerly beside the pool, which holds
+        # about the largest count's share of them: that share is kept free too.
+        if self.prefill_graphs is not None and (largest := self.prefill_graphs.token_counts[-1]) < self.max_step_rows:
+            available -= (peak - current) * largest // self.max_step_rows
         return (available - self._staging_bytes()) // self.block_bytes
 
     def _staging_bytes(self) -> int:
@@ -259,8 +265,8 @@ class ModelRunner:
     def compile_step_kernels(self) -> None:
         """Compile now every kernel variant a request's step can run (a compile stalls every request
         in its step, up to a second), beyond the graphs: prefills at the fewest rows of each
-        small-product tile (without prefill graphs, small prefill and mixed steps have row counts no
-        graph has) and at the most rows a step takes (large prefills take kernels of their own: on
+        small-product tile (without prefill graphs, and past their largest count, prefill and mixed
+        steps have row counts no graph has) and at the most rows a step takes (large prefills take kernels of their own: on
         Hopper the TMA attention and gate/up product from 4,096 rows), mixed steps at the fewest
         decode rows of each decode-kernel variant (their attention runs eagerly, between prefill
         graphs too), and without graphs, decode steps at the same. The K/V all go to block
@@ -508,8 +514,7 @@ class ModelRunner:
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-        prefill_counts = ([] if self.prefill_graphs is None else
-                          prefill_token_counts(self.max_step_rows, self.prefill_graphs.flops_per_token))
+        prefill_counts = [] if self.prefill_graphs is None else self.prefill_graphs.token_counts
         # Each count once eagerly through the same buffers first (kernels compile, cuBLAS meets the
         # row count), all before the first capture: the eager allocator's cache is then given back,
         # and the graphs' pool takes the activations' place in the memory the KV pool left.
@@ -545,8 +550,9 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool, stream=stream):
                 self.decode_forward(bs, out)
-            graph.replay()  # the first replay uploads the graph: not in a request's step
+            # Stored before anything runs it, where an abort of the group finds it (tensor parallelism).
             self.graphs[bs] = graph
+            self.graphs[bs].replay()  # the first replay uploads the graph: not in a request's step
         torch.cuda.synchronize(device)
         pool_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
         self.events.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_bs),

@@ -42,9 +42,8 @@ MAX_GRAPH_FLOPS = 16e12
 
 def prefill_token_counts(max_tokens: int, flops_per_token: int) -> list[int]:
     """Token counts to capture: powers of two from ``SMALLEST`` below ``TOKEN_STEP``, then every multiple
-    of ``TOKEN_STEP``, and ``max_tokens`` itself, so that every prefill step pads to one; but only those
-    whose forward costs at most ``MAX_GRAPH_FLOPS`` at ``flops_per_token`` (one token's matrix FLOPs in
-    the layers, on this rank)."""
+    of ``TOKEN_STEP``, and ``max_tokens`` itself, each up to ``MAX_GRAPH_FLOPS`` at ``flops_per_token``
+    (``layer_flops_per_token``), so that every step up to that cost pads to one."""
     counts = []
     n = SMALLEST
     while n < min(TOKEN_STEP, max_tokens):
@@ -54,16 +53,21 @@ def prefill_token_counts(max_tokens: int, flops_per_token: int) -> list[int]:
     return [n for n in [*counts, max_tokens] if n * flops_per_token <= MAX_GRAPH_FLOPS]
 
 
+def layer_flops_per_token(model: nn.Module) -> int:
+    """One token's FLOPs in the matrix products of ``model``'s layers (this rank's shards of them)."""
+    return 2 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
+
+
 class PrefillGraphs:
     """The static buffers and, per token count, the captured pieces of a prefill forward; the
     ``models.context.AttentionSplit`` that the attention layers end pieces at."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, hidden_size: int, dtype: torch.dtype,
+    def __init__(self, model: nn.Module, token_counts: list[int], hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.model = model
         self.layers: list[Attention] = attention_layers(model)
-        # The matrix products' FLOPs of one token through the layers (this rank's shards of them).
-        self.flops_per_token = 2 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
+        self.token_counts = token_counts  # to capture, ascending (``prefill_token_counts``)
+        max_tokens = token_counts[-1]
         heads, head_dim = self.layers[0].num_heads, self.layers[0].head_dim
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -143,9 +147,10 @@ class PrefillGraphs:
             self._capturing = None
             torch.cuda.current_stream().wait_stream(stream)
         self.slot_mapping[:num_tokens].fill_(-1)
-        for piece in pieces:
-            piece.replay()
+        # Stored before anything runs them, where an abort of the group finds them (tensor parallelism).
         self.graphs[num_tokens] = pieces
+        for piece in self.graphs[num_tokens]:
+            piece.replay()
 
     def _begin_piece(self) -> None:
         assert self._capturing is not None

@@ -24,12 +24,13 @@ CPU) keep the ranks in step.
   (``models.all_reduce``), which wait in a loop of their own (workers still waiting in one are
   terminated at shutdown). Either way the call raises ``WorkerError`` with the worker's error, and after any
   failed call the ranks are out of step: the group refuses further calls until it is closed.
-- CUDA graphs: the decode graphs and the prefill graphs' first pieces (the embedding's all-reduce)
-  hold the NCCL communicator (NCCL >= 2.26 counts the graphs that captured its collectives), and both
-  its orderly teardown and its abort wait until every such graph is destroyed, while destroying a
-  graph waits for its kernels. Shutdown destroys every graph, then the group. An abort runs on a thread of its own, since only it stops a kernel stuck on a dead peer,
-  while the graphs are destroyed beside it; rank 0's graphs sit behind a lock so that the watchdog
-  never destroys one that the engine thread is launching.
+- CUDA graphs: the decode graphs and the prefill graphs' pieces (the first for the embedding's
+  all-reduce, every one with NCCL's all-reduce) hold the NCCL communicator (NCCL >= 2.26 counts the
+  graphs that captured its collectives), and both its orderly teardown and its abort wait until
+  every such graph is destroyed, while destroying a graph waits for its kernels. Shutdown destroys
+  every graph, then the group. An abort runs on a thread of its own, since only it stops a kernel
+  stuck on a dead peer, while the graphs are destroyed beside it; rank 0's graphs are guarded by a
+  lock so that the watchdog never destroys one that the engine thread is launching.
 - Shutdown (``close()``, at interpreter exit, or when the group is garbage-collected): workers in
   step are told to exit and joined; the others, and stragglers, are terminated. The process group is
   destroyed and the store's port closed. Workers ignore Ctrl-C (rank 0 decides when they stop) and

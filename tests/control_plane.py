@@ -59,7 +59,7 @@ MODEL = "fake-qwen3"
 # What a pretend CUDA device reports for its graph capture (invented, but not zero).
 CAPTURE_SECONDS = 0.25
 GRAPH_POOL_BYTES = 64 << 20
-FLOPS_PER_TOKEN = 880_000_000  # the pretend model's prefill graphs stop where Qwen3-0.6B's do
+FLOPS_PER_TOKEN = 880_000_000  # the pretend model's prefill graphs stop where Qwen3-0.6B's do (per rank)
 # A pretend KV block's size and copy time, for the host tier's transfer events.
 BLOCK_BYTES = 1 << 20
 COPY_SECONDS_PER_BLOCK = 25e-6
@@ -197,7 +197,8 @@ class FakeEngine:
             self.graph_sizes = graph_batch_sizes(config.max_num_seqs)
             if not config.enable_cpu_offload:
                 self.prefill_counts = prefill_token_counts(
-                    min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len), FLOPS_PER_TOKEN)
+                    min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len),
+                    FLOPS_PER_TOKEN // config.tensor_parallel_size)
             self.bus.announce(CudaGraphCapture, batch_sizes=tuple(self.graph_sizes), seconds=CAPTURE_SECONDS,
                               pool_bytes=GRAPH_POOL_BYTES, prefill_token_counts=tuple(self.prefill_counts))
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.prefill_graphs import MAX_GRAPH_FLOPS, SMALLEST, TOKEN_STEP, PrefillGraphs, prefill_token_counts
+from engine.prefill_graphs import (MAX_GRAPH_FLOPS, SMALLEST, TOKEN_STEP, PrefillGraphs, layer_flops_per_token,
+                                   prefill_token_counts)
 from models.attention import TORCH_BACKEND, AttentionBackend, set_attention_backend
 from models.context import Context, reset_context, set_context
 from models.qwen3 import Qwen3ForCausalLM
@@ -53,12 +54,11 @@ def test_the_flops_per_token_count_every_matrix_of_the_layers(model: Qwen3ForCau
     config = model.config
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer = config.hidden_size * (q + 2 * kv) + q * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
-    graphs = PrefillGraphs(model, 64, config.hidden_size, torch.float32, torch.device("cpu"))
-    assert graphs.flops_per_token == 2 * config.num_hidden_layers * per_layer
+    assert layer_flops_per_token(model) == 2 * config.num_hidden_layers * per_layer
 
 
 def test_a_step_replays_the_smallest_captured_count_that_holds_it(model: Qwen3ForCausalLM) -> None:  # noqa: F811
-    graphs = PrefillGraphs(model, 64, model.config.hidden_size, torch.float32, torch.device("cpu"))
+    graphs = PrefillGraphs(model, [64], model.config.hidden_size, torch.float32, torch.device("cpu"))
     assert graphs.padded(1) is None  # nothing captured yet: the step runs eagerly
     graphs.graphs = {64: [], 32: [], 16: []}  # captured largest first
     assert [graphs.padded(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
@@ -73,7 +73,7 @@ class SplitRunner(PagedRunner):
     def __post_init__(self) -> None:
         super().__post_init__()
         config = self.model.config
-        self.graphs = PrefillGraphs(self.model, 256, config.hidden_size, torch.float32, torch.device("cpu"))
+        self.graphs = PrefillGraphs(self.model, [256], config.hidden_size, torch.float32, torch.device("cpu"))
 
     def _run(self, context: Context, ids: list[int], positions: list[int], every_position: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +144,7 @@ def test_a_replay_runs_each_piece_then_its_layers_attention_waiting_for_streamed
     """Piece i stores layer i's K/V, so a host-tier load of layer i waits before it; each layer's
     attention takes the step's own rows, between its piece and the next."""
     order: list[str] = []
-    graphs = PrefillGraphs(model, 64, model.config.hidden_size, torch.float32, torch.device("cpu"))
+    graphs = PrefillGraphs(model, [64], model.config.hidden_size, torch.float32, torch.device("cpu"))
     layers = len(graphs.layers)
 
     class Piece:

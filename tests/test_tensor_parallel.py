@@ -84,8 +84,8 @@ class FakeGraph:
 
 
 def test_an_abort_destroys_rank_0s_decode_graphs_and_every_prefill_piece_which_then_refuse_to_run():
-    # NCCL's abort waits until no graph holds its communicator: the prefill graphs' first piece holds
-    # it (the embedding's all-reduce) as the decode graphs do, so shutdown must reach the pieces too.
+    # NCCL's abort waits until no graph holds its communicator: the prefill graphs' pieces hold it (the
+    # embedding's all-reduce, and NCCL's all-reduces) as the decode graphs do, so shutdown reaches them.
     decode, pieces = _GuardedGraphs(), _GuardedGraphs()
     originals = [FakeGraph() for _ in range(4)]
     decode[8], pieces[16] = originals[0], originals[1:]

@@ -47,7 +47,11 @@ def generate_twice(model_dir: Path, tp: int, prompts: list[list[int]], max_token
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(str(model_dir), tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=2048,
              gpu_memory_utilization=0.5, disable_custom_all_reduce=all_reduce == "nccl") as llm:
-        assert llm.model_runner.dtype == torch.bfloat16 and llm.model_runner.graphs  # CUDA graphs on every rank
+        # CUDA graphs on every rank, prefill graphs too, rank 0's where an abort destroys them
+        runner = llm.model_runner
+        assert runner.dtype == torch.bfloat16 and runner.graphs and runner.prefill_graphs.graphs
+        if tp > 1:
+            assert runner.prefill_graphs.graphs is llm.tp_group._workers.prefill_pieces
         assert llm.model_runner.describe()["all_reduce"] == (all_reduce if tp > 1 else None)
         outputs = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         outputs += [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
