@@ -266,11 +266,11 @@ class ModelRunner:
         """Compile now every kernel variant a request's step can run (a compile stalls every request
         in its step, up to a second), beyond the graphs: prefills at the fewest rows of each
         small-product tile (without prefill graphs, and past their largest count, prefill and mixed
-        steps have row counts no graph has) and at the most rows a step takes (large prefills take kernels of their own: on
-        Hopper the TMA attention and gate/up product from 4,096 rows), mixed steps at the fewest
-        decode rows of each decode-kernel variant (their attention runs eagerly, between prefill
-        graphs too), and without graphs, decode steps at the same. The K/V all go to block
-        0, which holds nothing yet (decode rows here are padding)."""
+        steps have row counts no graph has) and at the most rows a step takes (large prefills take
+        kernels of their own: on Hopper the TMA attention and gate/up product from 4,096 rows),
+        mixed steps at the fewest decode rows of each decode-kernel variant (their attention runs
+        eagerly, between prefill graphs too), and without graphs, decode steps at the same. The K/V
+        all go to block 0, which holds nothing yet (decode rows here are padding)."""
         config = self.config
         for rows in sorted({*tile_rows(config.max_num_batched_tokens), self.max_step_rows}):
             self._warm_step(0, rows)
