@@ -14,7 +14,8 @@ the off arm, staging and pool sizes unchanged; ``batching`` is vLLM V1's ``mixed
 nano-vllm's ``prefill-first`` off; ``prefill-graphs`` takes the prefill graphs away for the off arm,
 whose prefill steps then launch eagerly, their activations beside the graphs' pool, beyond the
 share ``--gpu-memory-utilization`` gives; each run's prefill time is printed too); ``--profile`` lists
-where the GPU time of full-batch decode steps goes.
+where the GPU time goes, by kernel: the prefill steps, and decode steps at full batch, at <= 64 and
+at <= 16 running.
 With telemetry on, every decode step is also set against its own floor, in batch ranges that
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
 with the batch. The same by CUDA graph follows (each graph's batches: one past the next smaller
@@ -384,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab", choices=("telemetry", "async-scheduling", "host-tier", "batching", "prefill-graphs"),
                         help="then alternate runs with this feature on and off, on the same engine")
     parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
-    parser.add_argument("--profile", action="store_true", help="then profile the GPU time of 20 full-batch decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile GPU time by kernel: the prefill steps, and 20 decode steps with every request "
+                             "running, with <= 64 and with <= 16")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     with reported_errors(args):
