@@ -152,8 +152,7 @@ class ModelRunner:
             counts = prefill_token_counts(self.max_step_rows, layer_flops_per_token(self.model))
             if counts:
                 with torch.inference_mode():
-                    self.prefill_graphs = PrefillGraphs(self.model, counts, model_config.hidden_size, self.dtype,
-                                                        self.device)
+                    self.prefill_graphs = PrefillGraphs(self.model, counts)
         self.allocate_kv_cache()
         max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # Inference tensors, like every tensor a step makes (steps run in inference mode).

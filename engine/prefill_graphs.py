@@ -62,13 +62,15 @@ class PrefillGraphs:
     """The static buffers and, per token count, the captured pieces of a prefill forward; the
     ``models.context.AttentionSplit`` that the attention layers end pieces at."""
 
-    def __init__(self, model: nn.Module, token_counts: list[int], hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, token_counts: list[int]) -> None:
         self.model = model
         self.layers: list[Attention] = attention_layers(model)
         self.token_counts = token_counts  # to capture, ascending (``prefill_token_counts``)
         max_tokens = token_counts[-1]
         heads, head_dim = self.layers[0].num_heads, self.layers[0].head_dim
+        hidden_size = model.config.hidden_size
+        weight = next(model.parameters())  # the buffers' dtype and device are the model's
+        dtype, device = weight.dtype, weight.device
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)

@@ -308,8 +308,7 @@ def test_prefill_inputs_cover_chunks_that_start_and_end_inside_blocks(tiny_check
     llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
     runner, bs = llm.model_runner, 16
     if padded is not None:  # a CPU runner has none: the buffers alone, as a GPU runner's
-        runner.prefill_graphs = PrefillGraphs(runner.model, [128], llm.model_config.hidden_size, runner.dtype,
-                                              runner.device)
+        runner.prefill_graphs = PrefillGraphs(runner.model, [128])
     rng = random.Random(5)
     plans = [(0, 37), (21, 30), (32, 5)]  # (num_cached_tokens, num_scheduled_tokens)
     seqs = []
@@ -367,8 +366,7 @@ def test_a_mixed_steps_in_flight_token_lands_in_the_prefill_graphs_buffer(tiny_c
     runner.sample_rows = {decoding.seq_id: 2}
     # As the runner makes and fills them: inference tensors.
     with torch.inference_mode():
-        runner.prefill_graphs = PrefillGraphs(runner.model, [64], llm.model_config.hidden_size, runner.dtype,
-                                              runner.device)
+        runner.prefill_graphs = PrefillGraphs(runner.model, [64])
         runner.sampled[2] = 777
         try:
             input_ids, positions = runner.prepare_prefill([decoding, prompt], padded=16)

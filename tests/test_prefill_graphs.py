@@ -58,7 +58,7 @@ def test_the_flops_per_token_count_every_matrix_of_the_layers(model: Qwen3ForCau
 
 
 def test_a_step_replays_the_smallest_captured_count_that_holds_it(model: Qwen3ForCausalLM) -> None:  # noqa: F811
-    graphs = PrefillGraphs(model, [64], model.config.hidden_size, torch.float32, torch.device("cpu"))
+    graphs = PrefillGraphs(model, [64])
     assert graphs.padded(1) is None  # nothing captured yet: the step runs eagerly
     graphs.graphs = {64: [], 32: [], 16: []}  # captured largest first
     assert [graphs.padded(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
@@ -73,7 +73,7 @@ class SplitRunner(PagedRunner):
     def __post_init__(self) -> None:
         super().__post_init__()
         config = self.model.config
-        self.graphs = PrefillGraphs(self.model, [256], config.hidden_size, torch.float32, torch.device("cpu"))
+        self.graphs = PrefillGraphs(self.model, [256])
 
     def _run(self, context: Context, ids: list[int], positions: list[int], every_position: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +144,7 @@ def test_a_replay_runs_each_piece_then_its_layers_attention_waiting_for_streamed
     """Piece i stores layer i's K/V, so a host-tier load of layer i waits before it; each layer's
     attention takes the step's own rows, between its piece and the next."""
     order: list[str] = []
-    graphs = PrefillGraphs(model, [64], model.config.hidden_size, torch.float32, torch.device("cpu"))
+    graphs = PrefillGraphs(model, [64])
     layers = len(graphs.layers)
 
     class Piece:
