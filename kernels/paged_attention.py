@@ -46,13 +46,21 @@ TMA_MIN_QUERIES = 4096
 _MAX_SPLITS = 16
 # A split shorter than this spends more on its partial write and the reduction than it saves.
 _MIN_SPLIT_TOKENS = 256
-# Split KV only while the grid offers fewer programs than this per SM. Measured on an H200
-# (16 q / 8 kv heads, hd 128): at batch 64-128 (4-8 programs per SM) any split lost 2-10%
-# (partial writes, the reduce launch); at batch 16-32 two to four splits won up to 40%.
-_PROGRAMS_PER_SM = 2
-# From this many programs per SM a decode program streams 128-token tiles, below it 64. Measured on
-# an H100 on the yardstick's shapes (batch 32-256, contexts of a few hundred to ~1,900 tokens): 128
-# gained 1-4 points of copy bandwidth at batch >= 96 (6+ programs per SM) and lost 3-5 at batch 64.
+# KV splits by how many programs (rows x KV heads) the grid offers an SM. Measured on an H200 on the
+# yardstick's shapes (16 q / 8 KV heads, hd 128; contexts spread over ~1.9x at each batch; 28 layers
+# in a CUDA graph; docs/performance.md): with fewer programs than SMs, splitting up to
+# ``_FILL_PROGRAMS_PER_SM`` won up to 3x (batch 8-16); once every SM has one, contexts of unequal
+# length leave SMs idle at the end of each layer's kernel, and ``_BALANCE_SPLITS`` smaller pieces
+# gained 3-13 points of copy bandwidth alone (batch 20-48: 79-87% against 71-80%). In the engine's
+# steps that gain shrank with the batch, and at batch 64 (3.9 programs an SM) the 4B's steps lost
+# 0.2 ms to it, so from ``_SPLIT_BELOW_PROGRAMS_PER_SM`` a sequence is one program.
+_FILL_PROGRAMS_PER_SM = 2
+_BALANCE_SPLITS = 8
+_SPLIT_BELOW_PROGRAMS_PER_SM = 3.5
+# From this many programs per SM an unsplit decode program streams 128-token tiles, below it and
+# split 64. Measured on an H100 on the yardstick's shapes (batch 32-256): 128 gained 1-4 points of
+# copy bandwidth at batch >= 96 (6+ programs per SM); split 4 or 8 ways, 64 was ahead by 1-8 points
+# at batch 8-64 (H200).
 _LARGE_TILE_PROGRAMS_PER_SM = 5
 # Warps of a program that preloads its first K/V tile (a batch of one). Its programs start only as
 # the qkv product's leave their SMs (two of those hold 60 Ki of an SM's 64 Ki registers), and a
@@ -482,11 +490,18 @@ def _prefill_kernel(
 def decode_num_splits(
     batch: int, num_kv_heads: int, device: torch.device, max_seqlen_k: int | None = None
 ) -> int:
-    """KV splits per sequence: enough programs to keep every SM busy, none shorter than
-    ``_MIN_SPLIT_TOKENS`` when the longest context is known. A power of two (fewer compiled
-    variants); depends on host values only, so a captured graph keeps one split count."""
-    programs = batch * num_kv_heads
-    splits = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), max(programs, 1))
+    """KV splits per sequence: with fewer programs than SMs, enough to keep every SM busy; with
+    fewer than ``_SPLIT_BELOW_PROGRAMS_PER_SM`` an SM, ``_BALANCE_SPLITS``, so that unequal contexts
+    end together; none shorter than ``_MIN_SPLIT_TOKENS`` when the longest context is known. A power
+    of two (fewer compiled variants); depends on host values only, so a captured graph keeps one
+    split count."""
+    programs, sms = batch * num_kv_heads, sm_count(device)
+    if programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * sms:
+        splits = 1
+    elif programs < sms:
+        splits = triton.cdiv(_FILL_PROGRAMS_PER_SM * sms, max(programs, 1))
+    else:
+        splits = _BALANCE_SPLITS
     if max_seqlen_k is not None:
         splits = min(splits, triton.cdiv(max_seqlen_k, _MIN_SPLIT_TOKENS))
     splits = max(1, min(splits, _MAX_SPLITS))
@@ -494,8 +509,8 @@ def decode_num_splits(
 
 
 def _decode_tile(batch: int, num_kv_heads: int, num_splits: int, device: torch.device) -> int:
-    """Keys per step of the decode kernel: the larger tile once there are programs enough."""
-    return 128 if batch * num_kv_heads * num_splits >= _LARGE_TILE_PROGRAMS_PER_SM * sm_count(device) else 64
+    """Keys per step of the decode kernel: the larger tile once unsplit programs are many enough."""
+    return 128 if num_splits == 1 and batch * num_kv_heads >= _LARGE_TILE_PROGRAMS_PER_SM * sm_count(device) else 64
 
 
 def _launches_first(batch: int) -> bool:

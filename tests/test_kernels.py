@@ -323,6 +323,26 @@ def test_decode_cpu_all_padding_and_split_heuristic() -> None:
         assert 1 <= n <= 16 and n & (n - 1) == 0
 
 
+def test_decode_splits_fill_the_sms_then_balance_unequal_contexts_then_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An H100/H200's 132 SMs and Qwen3-0.6B's 8 KV heads: programs = rows x 8.
+    monkeypatch.setattr(attn, "sm_count", lambda device: 132)
+    device = torch.device("cuda")
+
+    def launch(rows: int, max_seqlen_k: int | None = None) -> tuple[int, int]:
+        splits = attn.decode_num_splits(rows, 8, device, max_seqlen_k)
+        return splits, attn._decode_tile(rows, 8, splits, device)
+
+    # Fewer programs than SMs: split until there are two an SM.
+    assert [launch(rows) for rows in (8, 12, 16)] == [(8, 64), (4, 64), (4, 64)]
+    # Every SM has one, fewer than 3.5 an SM: eight splits, so that unequal contexts end together.
+    assert {launch(rows) for rows in (17, 32, 48, 57)} == {(8, 64)}
+    # From 3.5 an SM, one split; 128-token tiles from 5 an SM.
+    assert [launch(rows) for rows in (58, 64, 82, 83, 256)] == [(1, 64), (1, 64), (1, 64), (1, 128), (1, 128)]
+    # A known longest context keeps every split at least _MIN_SPLIT_TOKENS long.
+    assert launch(32, max_seqlen_k=600) == (4, 64)
+    assert launch(32, max_seqlen_k=200) == (1, 64)
+
+
 @pytest.mark.usefixtures("cpu")
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", _CPU_SHAPES)
 def test_prefill_cpu(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
