@@ -14,8 +14,9 @@ the off arm, staging and pool sizes unchanged; ``batching`` is vLLM V1's ``mixed
 nano-vllm's ``prefill-first`` off; ``prefill-graphs`` takes the prefill graphs away for the off arm,
 whose prefill steps then launch eagerly, their activations beside the graphs' pool, beyond the
 share ``--gpu-memory-utilization`` gives; each run's prefill time is printed too); ``--profile`` lists
-where the GPU time goes, by kernel: the prefill steps, and decode steps at full batch, at <= 64 and
-at <= 16 running.
+where the GPU time goes, by kernel and by what each kernel adds to a step (under PDL kernels overlap,
+so their own times add up to more than the step): the prefill steps, and decode steps at full batch,
+at <= 64 and at <= 16 running.
 With telemetry on, every decode step is also set against its own floor, in batch ranges that
 halve from the largest: the time over the floor per step shows what is fixed cost and what grows
 with the batch. The same by CUDA graph follows (each graph's batches: one past the next smaller
@@ -33,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -296,29 +297,79 @@ def prefill_graphs_detached(llm, detach: bool) -> Iterator[None]:
         runner.prefill_graphs = graphs
 
 
-def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> list[dict]:
-    """GPU time by kernel in four windows of one pass over the workload: its prefill steps, then
-    ``num_steps`` decode steps with every request running, with at most 64 and with at most 16 (the
-    batch shrinks as requests finish). Each window also gives its wall time and kernel launches."""
+def critical_path(spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float]:
+    """``(name, start, end)`` spans of device work -> how far each name moved the end of the GPU's
+    work later, summed, and the time no span was running, from the first start to the last end.
+
+    Under PDL a kernel starts while the one before it still runs, and its own duration includes its
+    wait, so durations overlap and add up to more than the step. What a kernel adds to the step is
+    how much later the work ends because of it: its end past every earlier-started span's end. The
+    advances and the idle time add up to the whole span."""
+    advance: dict[str, float] = {}
+    idle, frontier = 0.0, None
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        frontier = start if frontier is None else frontier
+        idle += max(0.0, start - frontier)
+        advance[name] = advance.get(name, 0.0) + max(0.0, end - max(frontier, start))
+        frontier = max(frontier, end)
+    return advance, idle
+
+
+def kernel_table(run: Callable[[], int]) -> dict:
+    """GPU time by kernel while ``run()`` runs, per step of those it says it took, with the wall time;
+    and what each kernel adds to a step (``critical_path``), with the GPU's idle time between them."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        steps = run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = sorted(((e.key, e.device_time_total / 1e3 / steps, e.count / steps) for e in events), key=lambda k: -k[1])
+    # Annotation ranges on the GPU's timeline span whole stretches of kernels: not work of their own.
+    advance, idle = critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation])
+    added = sorted(((name, us / 1e3 / steps) for name, us in advance.items()), key=lambda k: -k[1])
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
+            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20],
+            "added_ms_per_step": added[:20], "idle_ms_per_step": idle / 1e3 / steps}
+
+
+def print_kernels(what: str, k: dict) -> None:
+    print(f"GPU time per {what}: {k['gpu_ms_per_step']:.3f} ms in {k['kernels_per_step']:.0f} kernels "
+          f"(wall {k['wall_ms_per_step']:.3f} ms, profiled)")
+    if k["gpu_ms_per_step"] > k["wall_ms_per_step"]:
+        print("  (more than the wall time: kernels launched with PDL overlap, and each one's time includes "
+              "its wait for the one before)")
+    for name, ms, count in k["kernels"][:12]:
+        print(f"  {1e3 * ms:9.1f} us  x{count:5.1f}  {name[:100]}")
+    print(f"what each kernel adds to the {what} (how much later the GPU's work ends because of it), and "
+          f"{1e3 * k['idle_ms_per_step']:.1f} us with none running:")
+    for name, ms in k["added_ms_per_step"][:12]:
+        print(f"  {1e3 * ms:9.1f} us  {name[:100]}")
+
+
+def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], num_steps: int = 20) -> list[dict]:
+    """GPU time by kernel, and what each kernel adds to a step (``kernel_table``: under PDL
+    kernels overlap, so their own times add up to more than the step), in four windows of one pass
+    over the workload: its prefill steps, then ``num_steps`` decode steps with every request running,
+    with at most 64 and with at most 16 (the batch shrinks as requests finish). Each window also gives
+    its wall time and kernel launches."""
     llm.reset_prefix_cache()  # the prefill window computes every prompt, as a timed run does
     request_ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
     running = llm.scheduler.running
 
-    def window(name: str, steps) -> dict:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t, batch_size = time.perf_counter(), len(running)
+    def window(name: str, steps: Callable[[], int]) -> dict:
+        batch_size = len(running)
+
+        def run() -> int:
             n = steps()
             llm.drain()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        kernels = sorted(((e.key, e.device_time_total / 1e3 / n) for e in events), key=lambda k: -k[1])
-        return {"window": name, "steps": n, "batch_size": batch_size,
-                "wall_ms_per_step": 1e3 * wall / n, "gpu_ms_per_step": sum(ms for _, ms in kernels),
-                "kernels_per_step": sum(e.count for e in events) / n, "kernels_ms_per_step": kernels[:25]}
+            return n
+        return {"window": name, "batch_size": batch_size, **kernel_table(run)}
 
     def prefills() -> int:
         n = 0
@@ -332,11 +383,11 @@ def profile_steps(llm, prompts: list[list[int]], params: list[SamplingParams], n
             llm.step()
         return num_steps
 
-    windows = [window("prefill", prefills), window("decode, all running", decodes)]
+    windows = [window("prefill step", prefills), window("decode step, every request running", decodes)]
     for batch in (64, 16):
         while len(running) > batch:
             llm.step()
-        windows.append(window(f"decode, <= {batch} running", decodes))
+        windows.append(window(f"decode step, <= {batch} running", decodes))
     for request_id in request_ids:
         llm.abort_request(request_id)
     llm.drain()
@@ -386,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="then alternate runs with this feature on and off, on the same engine")
     parser.add_argument("--ab-runs", type=int, default=5, metavar="N", help="runs per arm of --ab (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
-                        help="then profile GPU time by kernel: the prefill steps, and 20 decode steps with every request "
-                             "running, with <= 64 and with <= 16")
+                        help="then profile GPU time by kernel, and what each kernel adds to a step: the prefill steps, "
+                             "and 20 decode steps with every request running, with <= 64 and with <= 16")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parse_checked(parser, argv)
     with reported_errors(args):
@@ -488,11 +539,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{' ' * len(ab['feature'])}         prefill steps on {', '.join(map(str, ab['on_prefill_ms']))} ms; "
                   f"off {', '.join(map(str, ab['off_prefill_ms']))} ms")
     for prof in ours.get("profile", []):
-        print(f"profile: {prof['window']} ({prof['steps']} steps from batch {prof['batch_size']}): "
-              f"{prof['gpu_ms_per_step']:.2f} ms GPU, {prof['wall_ms_per_step']:.2f} ms wall, "
-              f"{prof['kernels_per_step']:.0f} kernels per step")
-        for name, ms in prof["kernels_ms_per_step"][:10]:
-            print(f"  {ms:7.3f} ms  {100 * ms / prof['gpu_ms_per_step']:5.1f}%  {name[:110]}")
+        print_kernels(f"{prof['window']} ({prof['steps']} profiled, from batch {prof['batch_size']})", prof)
     if args.peer == "hf":
         print(f"memory            {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated before the peer runs")
         peer = run_hf_peer(checkpoint, prompts, params)

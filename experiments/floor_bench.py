@@ -44,7 +44,7 @@ from engine.events import Step  # noqa: E402
 from engine.options import (  # noqa: E402
     OptionError, add_engine_args, build_llm, checked_number, parse_checked, reported_errors)
 from engine.sampling_params import SamplingParams  # noqa: E402
-from experiments.bench import device_copy_bandwidth, weight_bytes_per_step  # noqa: E402
+from experiments.bench import device_copy_bandwidth, kernel_table, print_kernels, weight_bytes_per_step  # noqa: E402
 from kernels import gemv, pdl  # noqa: E402
 from models.config import Qwen3Config  # noqa: E402
 
@@ -120,47 +120,6 @@ def decode_run(llm, batch: int, output_tokens: int, bandwidth: float) -> dict:
             "host_launch_ms": 1e3 * statistics.mean(s.launch_s for s in decode)}
 
 
-def critical_path(spans: list[tuple[str, float, float]]) -> tuple[dict[str, float], float]:
-    """``(name, start, end)`` spans of device work -> how far each name moved the end of the GPU's
-    work later, summed, and the time no span was running, from the first start to the last end.
-
-    Under PDL a kernel starts while the one before it still runs, and its own duration includes its
-    wait, so durations overlap and add up to more than the step. What a kernel adds to the step is
-    how much later the work ends because of it: its end past every earlier-started span's end. The
-    advances and the idle time add up to the whole span."""
-    advance: dict[str, float] = {}
-    idle, frontier = 0.0, None
-    for name, start, end in sorted(spans, key=lambda span: span[1]):
-        frontier = start if frontier is None else frontier
-        idle += max(0.0, start - frontier)
-        advance[name] = advance.get(name, 0.0) + max(0.0, end - max(frontier, start))
-        frontier = max(frontier, end)
-    return advance, idle
-
-
-def kernel_table(run, steps: int) -> dict:
-    """GPU time by kernel while ``run()`` runs, per step of the ``steps`` it takes, with the wall time;
-    and what each kernel adds to a step (``critical_path``), with the GPU's idle time between them."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    kernels = sorted(((e.key, e.device_time_total / 1e3 / steps, e.count / steps) for e in events), key=lambda k: -k[1])
-    # Annotation ranges on the GPU's timeline span whole stretches of kernels: not work of their own.
-    advance, idle = critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation])
-    added = sorted(((name, us / 1e3 / steps) for name, us in advance.items()), key=lambda k: -k[1])
-    return {"wall_ms_per_step": 1e3 * wall / steps, "gpu_ms_per_step": sum(ms for _, ms, _ in kernels),
-            "kernels_per_step": sum(n for _, _, n in kernels), "kernels": kernels[:20],
-            "added_ms_per_step": added[:20], "idle_ms_per_step": idle / 1e3 / steps}
-
-
 def decode_kernels(llm, batch: int) -> dict:
     """GPU time per decode step by kernel, ``PROFILED_STEPS`` steps of ``batch`` running requests."""
     mc = llm.model_config
@@ -169,11 +128,12 @@ def decode_kernels(llm, batch: int) -> dict:
     for _ in range(8):  # prefill, then a few decode steps
         llm.step()
 
-    def decode() -> None:
+    def decode() -> int:
         for _ in range(PROFILED_STEPS):
             llm.step()
+        return PROFILED_STEPS
 
-    table = kernel_table(decode, PROFILED_STEPS)
+    table = kernel_table(decode)
     for request_id in ids:
         llm.abort_request(request_id)
     llm.drain()
@@ -192,7 +152,11 @@ def prefill_run(llm, count: int, length: int, profiled: bool = False) -> dict:
               "flops": flops, "tflops": flops / wall / 1e12, "tok_per_s": count * length / wall}
     if profiled:
         llm.reset_prefix_cache()
-        result["kernels"] = kernel_table(lambda: llm.generate(prompts, params, use_tqdm=False), len(steps))
+
+        def prefill() -> int:
+            llm.generate(prompts, params, use_tqdm=False)
+            return len(steps)
+        result["kernels"] = kernel_table(prefill)
     return result
 
 
@@ -250,20 +214,6 @@ def report(r: dict) -> None:
               f"{p['tok_per_s']:,.0f} tok/s")
         if p.get("kernels"):
             print_kernels("prefill step", p["kernels"])
-
-
-def print_kernels(what: str, k: dict) -> None:
-    print(f"GPU time per {what}: {k['gpu_ms_per_step']:.3f} ms in {k['kernels_per_step']:.0f} kernels "
-          f"(wall {k['wall_ms_per_step']:.3f} ms, profiled)")
-    if k["gpu_ms_per_step"] > k["wall_ms_per_step"]:
-        print("  (more than the wall time: kernels launched with PDL overlap, and each one's time includes "
-              "its wait for the one before)")
-    for name, ms, count in k["kernels"][:12]:
-        print(f"  {1e3 * ms:9.1f} us  x{count:5.1f}  {name[:100]}")
-    print(f"what each kernel adds to the {what} (how much later the GPU's work ends because of it), and "
-          f"{1e3 * k['idle_ms_per_step']:.1f} us with none running:")
-    for name, ms in k["added_ms_per_step"][:12]:
-        print(f"  {1e3 * ms:9.1f} us  {name[:100]}")
 
 
 def main(argv: list[str] | None = None) -> int:

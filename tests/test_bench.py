@@ -137,16 +137,16 @@ def test_the_floor_bench_sets_the_mean_and_the_median_step_against_the_floor(mon
     assert result["share_of_floor_median"] == pytest.approx((floors[4] + floors[5]) / 2 / 1e-3)
 
 
-def test_the_floor_bench_adds_up_what_each_kernel_adds_to_a_step():
+def test_a_profile_adds_up_what_each_kernel_adds_to_a_step():
     # A runs alone; B starts during A (PDL) and ends 4 later; the GPU idles 6; C runs, and D inside
     # it moves nothing; A again, then B again, launched after it and ending inside it. Given in reverse:
     # the spans are taken in order of their starts.
     spans = [("A", 0.0, 10.0), ("B", 5.0, 14.0), ("C", 20.0, 23.0), ("D", 21.0, 22.0), ("A", 23.0, 30.0),
              ("B", 23.5, 26.0)]
-    advance, idle = floor_bench.critical_path(list(reversed(spans)))
+    advance, idle = bench.critical_path(list(reversed(spans)))
     assert advance == {"A": 10.0 + 7.0, "B": 4.0, "C": 3.0, "D": 0.0} and idle == 6.0
     assert sum(advance.values()) + idle == 30.0 - 0.0
-    assert floor_bench.critical_path([]) == ({}, 0.0)
+    assert bench.critical_path([]) == ({}, 0.0)
 
 
 def test_the_floor_bench_needs_cuda_and_says_so(monkeypatch, capsys):
