@@ -539,7 +539,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{' ' * len(ab['feature'])}         prefill steps on {', '.join(map(str, ab['on_prefill_ms']))} ms; "
                   f"off {', '.join(map(str, ab['off_prefill_ms']))} ms")
     for prof in ours.get("profile", []):
-        print_kernels(f"{prof['window']} ({prof['steps']} profiled, from batch {prof['batch_size']})", prof)
+        batch = f", from batch {prof['batch_size']}" if prof["batch_size"] else ""  # prefill starts from none
+        print_kernels(f"{prof['window']} ({prof['steps']} profiled{batch})", prof)
     if args.peer == "hf":
         print(f"memory            {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated before the peer runs")
         peer = run_hf_peer(checkpoint, prompts, params)

@@ -53,14 +53,14 @@ _MIN_SPLIT_TOKENS = 256
 # length leave SMs idle at the end of each layer's kernel, and ``_BALANCE_SPLITS`` smaller pieces
 # gained 3-13 points of copy bandwidth alone (batch 20-48: 79-87% against 71-80%). In the engine's
 # steps that gain shrank with the batch, and at batch 64 (3.9 programs an SM) the 4B's steps lost
-# 0.2 ms to it, so from ``_SPLIT_BELOW_PROGRAMS_PER_SM`` a sequence is one program.
+# 0.2 ms to it, so from ``_SPLIT_BELOW_PROGRAMS_PER_SM`` each sequence and KV head is one program.
 _FILL_PROGRAMS_PER_SM = 2
 _BALANCE_SPLITS = 8
 _SPLIT_BELOW_PROGRAMS_PER_SM = 3.5
 # From this many programs per SM an unsplit decode program streams 128-token tiles, below it and
 # split 64. Measured on an H100 on the yardstick's shapes (batch 32-256): 128 gained 1-4 points of
-# copy bandwidth at batch >= 96 (6+ programs per SM); split 4 or 8 ways, 64 was ahead by 1-8 points
-# at batch 8-64 (H200).
+# copy bandwidth at batch >= 96 (6+ programs per SM); split 8 ways, 64 was ahead by 1-5 points at
+# batch 8-72, and 4 ways at batch 12-16 by 6-8 (H200).
 _LARGE_TILE_PROGRAMS_PER_SM = 5
 # Warps of a program that preloads its first K/V tile (a batch of one). Its programs start only as
 # the qkv product's leave their SMs (two of those hold 60 Ki of an SM's 64 Ki registers), and a
