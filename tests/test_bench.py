@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.llm_engine import LLM
+from engine.sampling_params import SamplingParams
 from experiments import bench, floor_bench, kv_offload_bench, sync_bench
 from experiments.bench import (
     decode_by_batch,
@@ -147,6 +149,25 @@ def test_a_profile_adds_up_what_each_kernel_adds_to_a_step():
     assert advance == {"A": 10.0 + 7.0, "B": 4.0, "C": 3.0, "D": 0.0} and idle == 6.0
     assert sum(advance.values()) + idle == 30.0 - 0.0
     assert bench.critical_path([]) == ({}, 0.0)
+
+
+def test_the_profile_windows_step_the_workload_down_to_64_and_16_running_and_leave_the_engine_idle(
+        tiny_checkpoint, monkeypatch):
+    # The windows' own logic, on the CPU: what each profiles (kernel_table needs CUDA) is stood in for.
+    monkeypatch.setattr(bench, "kernel_table", lambda run: {"steps": run()})
+    llm = LLM(str(tiny_checkpoint), kvcache_block_size=16)
+    prompts = [[(i * 7 + j) % 100 for j in range(8)] for i in range(80)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=5 + i) for i in range(80)]
+    windows = bench.profile_steps(llm, prompts, params, num_steps=3)
+    assert [w["window"] for w in windows] == ["prefill step", "decode step, every request running",
+                                              "decode step, <= 64 running", "decode step, <= 16 running"]
+    assert windows[0]["batch_size"] == 0 and windows[0]["steps"] >= 1
+    assert windows[1]["batch_size"] == 80 and windows[1]["steps"] == 3
+    assert 16 < windows[2]["batch_size"] <= 64 and 0 < windows[3]["batch_size"] <= 16
+    assert all(w["steps"] == 3 for w in windows[1:])
+    # Every request aborted and every step collected: nothing left running, every block free.
+    assert llm.is_finished()
+    assert len(llm.scheduler.block_manager.free_block_ids) == llm.config.num_kvcache_blocks
 
 
 def test_the_floor_bench_needs_cuda_and_says_so(monkeypatch, capsys):
